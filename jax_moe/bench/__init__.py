@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m jax_moe.bench {moe,fabric} ...`."""
