@@ -1,0 +1,128 @@
+"""dispatch / combine and their send/recv halves, differentiable through jax.custom_vjp.
+
+Gradients (bf16 dispatch): dispatch's backward is a combine with unit weights; combine's backward is a per-slot
+dispatch of the weighted output gradient (for expert_y) and a per-slot combine of expert_y dotted with the output
+gradient (for topk_weights). The custom_vjp sits on the recv halves; the send halves pass their differentiable input
+through the handle (stop_gradient on what they move), so the split halves are differentiable too.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jax_moe import validate
+from jax_moe.types import CombineHandle, Dispatched, DispatchHandle
+
+if TYPE_CHECKING:
+    from jax_moe.communicator import Communicator
+
+
+def _valid(comm: "Communicator", topk_idx: jax.Array) -> jax.Array:
+    from jax_moe.backends.xla import sanitize_topk
+
+    return sanitize_topk(topk_idx, comm.cfg.num_experts) >= 0
+
+
+# --- dispatch ---------------------------------------------------------------------------------------------------------
+def dispatch_send(comm: "Communicator", x: jax.Array, topk_idx: jax.Array,
+                  x_scale: Optional[jax.Array] = None) -> DispatchHandle:
+    """Start the dispatch of x [T, hidden] to the experts in topk_idx [T, R] (int32, -1 = masked)."""
+    validate.check_dispatch(comm, "dispatch_send", x, topk_idx, x_scale)
+    scale = None if x_scale is None else jax.lax.stop_gradient(x_scale)
+    state = comm.backend.dispatch_send(jax.lax.stop_gradient(x), scale, topk_idx)
+    return DispatchHandle(x, x_scale, topk_idx, state, comm.id)
+
+
+def dispatch_recv(comm: "Communicator", handle: DispatchHandle) -> Dispatched:
+    """Finish the dispatch started by dispatch_send."""
+    validate.check_axis(comm, "dispatch_recv")
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"jax_moe.dispatch_recv: expected the handle from dispatch_send, got {type(handle).__name__}")
+    validate.check_comm(comm, "dispatch_recv", handle._comm_id, "handle")
+    expert_x, expert_x_scale, counts, route = _dispatch_recv(comm, handle._x, handle._x_scale, handle._topk_idx,
+                                                             handle._state)
+    return Dispatched(expert_x, expert_x_scale, counts, handle._topk_idx, route, comm.id)
+
+
+def dispatch(comm: "Communicator", x: jax.Array, topk_idx: jax.Array,
+             x_scale: Optional[jax.Array] = None) -> Dispatched:
+    """Send every token to its experts' ranks: see Dispatched for the layout."""
+    return dispatch_recv(comm, dispatch_send(comm, x, topk_idx, x_scale))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dispatch_recv(comm, x, x_scale, topk_idx, state):
+    return comm.backend.dispatch_recv(state)
+
+
+def _dispatch_recv_fwd(comm, x, x_scale, topk_idx, state):
+    out = comm.backend.dispatch_recv(state)
+    return out, (topk_idx, out[3])
+
+
+def _dispatch_recv_bwd(comm, residuals, cotangents):
+    topk_idx, route = residuals
+    g_expert_x = cotangents[0]
+    if comm.cfg.is_fp8:
+        raise NotImplementedError("jax_moe: gradients through dispatch need dispatch_dtype=bfloat16 "
+                                  "(fp8 dispatch is inference-only)")
+    state = comm.backend.combine_send(g_expert_x.astype(comm.cfg.combine_dtype), route, topk_idx)
+    ones = jnp.ones(topk_idx.shape, jnp.float32)
+    g_x = comm.backend.combine_recv(state, ones, topk_idx).astype(comm.cfg.dispatch_dtype)
+    return g_x, None, None, None
+
+
+_dispatch_recv.defvjp(_dispatch_recv_fwd, _dispatch_recv_bwd)
+
+
+# --- combine ----------------------------------------------------------------------------------------------------------
+def combine_send(comm: "Communicator", expert_y: jax.Array, d: Dispatched) -> CombineHandle:
+    """Start returning expert outputs (layout of d.expert_x, combine_dtype) to the tokens' owners."""
+    validate.check_expert_y(comm, "combine_send", expert_y, d)
+    state = comm.backend.combine_send(jax.lax.stop_gradient(expert_y), d._route, d._topk_idx)
+    return CombineHandle(expert_y, d, state, comm.id)
+
+
+def combine_recv(comm: "Communicator", handle: CombineHandle, topk_weights: jax.Array) -> jax.Array:
+    """Finish the combine: out[t] = sum_k w[t, k] * y[row of (t, k)] over unmasked k, float32 sum, combine_dtype."""
+    validate.check_axis(comm, "combine_recv")
+    if not isinstance(handle, CombineHandle):
+        raise TypeError(f"jax_moe.combine_recv: expected the handle from combine_send, got {type(handle).__name__}")
+    validate.check_comm(comm, "combine_recv", handle._comm_id, "handle")
+    d = handle._dispatched
+    validate.check_weights(comm, "combine_recv", topk_weights, d._topk_idx)
+    return _combine_recv(comm, handle._expert_y, topk_weights, d._topk_idx, d._route, handle._state)
+
+
+def combine(comm: "Communicator", expert_y: jax.Array, topk_weights: jax.Array, d: Dispatched) -> jax.Array:
+    """Bring expert outputs back and sum them per token with topk_weights: [T, hidden] in combine_dtype."""
+    return combine_recv(comm, combine_send(comm, expert_y, d), topk_weights)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _combine_recv(comm, expert_y, topk_weights, topk_idx, route, state):
+    return comm.backend.combine_recv(state, topk_weights, topk_idx)
+
+
+def _combine_recv_fwd(comm, expert_y, topk_weights, topk_idx, route, state):
+    out = comm.backend.combine_recv(state, topk_weights, topk_idx)
+    return out, (expert_y, topk_weights, topk_idx, route)
+
+
+def _combine_recv_bwd(comm, residuals, g_out):
+    expert_y, topk_weights, topk_idx, route = residuals
+    valid = _valid(comm, topk_idx)
+    g = g_out.astype(jnp.float32)
+    w = jnp.where(valid, topk_weights.astype(jnp.float32), 0.0)
+    rows = (w[:, :, None] * g[:, None, :]).astype(comm.cfg.combine_dtype)
+    g_y = comm.backend.dispatch_slots(rows, route, topk_idx).astype(expert_y.dtype)
+    y = comm.backend.combine_slots(expert_y, route, topk_idx).astype(jnp.float32)
+    g_w = jnp.einsum("trh,th->tr", y, g, precision=jax.lax.Precision.HIGHEST)
+    g_w = jnp.where(valid, g_w, 0.0).astype(topk_weights.dtype)
+    return g_y, g_w, None, None, None
+
+
+_combine_recv.defvjp(_combine_recv_fwd, _combine_recv_bwd)

@@ -1,0 +1,50 @@
+"""The interface every backend implements: the four halves, per rank, inside shard_map.
+
+The public API (jax_moe.api) validates inputs, wraps the halves in custom_vjp and builds the pytrees; a backend only
+moves rows. States are pytrees of arrays that one half hands to the next. The two per-slot variants are used by the
+gradients; the default implementations run the reference ("xla") protocol from `topk_idx`, which is valid for any
+backend because the row layout of `Dispatched.expert_x` is fixed by the contract, not by the backend.
+"""
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, Optional
+
+import jax
+
+if TYPE_CHECKING:
+    from jax_moe.communicator import Communicator
+
+
+class Backend(abc.ABC):
+    name: str = "?"
+
+    def __init__(self, comm: "Communicator"):
+        self.comm = comm
+        self.cfg = comm.cfg
+
+    # --- the four halves ------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def dispatch_send(self, x: jax.Array, x_scale: Optional[jax.Array], topk_idx: jax.Array) -> Any:
+        """Start moving token rows to the experts' ranks; returns the state dispatch_recv needs."""
+
+    @abc.abstractmethod
+    def dispatch_recv(self, state: Any) -> tuple[jax.Array, Optional[jax.Array], jax.Array, Any]:
+        """Finish the dispatch: (expert_x, expert_x_scale or None, expert_counts, route for combine)."""
+
+    @abc.abstractmethod
+    def combine_send(self, expert_y: jax.Array, route: Any, topk_idx: jax.Array) -> Any:
+        """Start moving expert output rows back to the tokens' owners."""
+
+    @abc.abstractmethod
+    def combine_recv(self, state: Any, topk_weights: jax.Array, topk_idx: jax.Array) -> jax.Array:
+        """Finish the combine: [T, hidden] combine_dtype, the float32-accumulated weighted sum."""
+
+    # --- per-slot variants for the gradients --------------------------------------------------------------------------
+    def dispatch_slots(self, rows: jax.Array, route: Any, topk_idx: jax.Array) -> jax.Array:
+        """rows [T, R, hidden] (one row per (token, k)) -> [max_recv_rows, hidden] in the expert_x layout."""
+        return self.comm._reference.dispatch_slots(rows, None, topk_idx)
+
+    def combine_slots(self, expert_y: jax.Array, route: Any, topk_idx: jax.Array) -> jax.Array:
+        """expert_y [max_recv_rows, hidden] -> [T, R, hidden], row (t, k) = expert_y[row of (t, k)], 0 if masked."""
+        return self.comm._reference.combine_slots(expert_y, None, topk_idx)

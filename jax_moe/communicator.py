@@ -1,0 +1,100 @@
+"""Communicator: one MoE layer's expert-parallel group and the backend that moves its rows."""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Optional, Sequence, Union
+
+import jax
+
+from jax_moe import api, backends
+from jax_moe.config import MoEConfig
+from jax_moe.types import CombineHandle, Dispatched, DispatchHandle
+
+_ids = itertools.count(1)
+
+
+def _mesh_platform(mesh: Any) -> str:
+    devices = getattr(mesh, "devices", None)
+    try:
+        return devices.flat[0].platform
+    except (AttributeError, IndexError):
+        return jax.default_backend()
+
+
+class Communicator:
+    """Dispatch/combine for `cfg` over the mesh axis (or tuple of axes) `axis_name`.
+
+    Rank r of the N ranks on the axis owns experts [r*L, (r+1)*L), L = num_experts / N. The methods run per rank,
+    inside jax.shard_map over `axis_name`.
+    """
+
+    def __init__(self, cfg: MoEConfig, mesh: Any, axis_name: Union[str, Sequence[str]] = "ep",
+                 backend: str = "auto"):
+        if not isinstance(cfg, MoEConfig):
+            raise TypeError(f"Communicator: cfg must be a jax_moe.MoEConfig, got {type(cfg).__name__}")
+        names = getattr(mesh, "axis_names", None)
+        shape = getattr(mesh, "shape", None)
+        if names is None or shape is None:
+            raise TypeError(f"Communicator: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+        if not axes or not all(isinstance(a, str) for a in axes):
+            raise TypeError(f"Communicator: axis_name must be a mesh axis name or a tuple of them, got {axis_name!r}")
+        for a in axes:
+            if a not in names:
+                raise ValueError(f"Communicator: axis {a!r} is not in the mesh (axes: {tuple(names)})")
+        self.cfg = cfg
+        self.mesh = mesh
+        self.axis_name: Union[str, tuple[str, ...]] = axis_name if isinstance(axis_name, str) else axes
+        self.num_ranks = math.prod(int(shape[a]) for a in axes)
+        if cfg.num_experts % self.num_ranks:
+            raise ValueError(f"Communicator: num_experts ({cfg.num_experts}) is not divisible by the "
+                             f"{self.num_ranks} ranks of axis {self.axis_name!r}")
+        self.num_local_experts = cfg.num_experts // self.num_ranks
+        # The most rows one rank can send to one peer: each token reaches at most min(R, L) experts of a peer.
+        self.rows_per_peer = cfg.max_tokens * min(cfg.experts_per_token, self.num_local_experts)
+        self.id = next(_ids)
+        self.platform = _mesh_platform(mesh)
+        self.backend = backends.resolve(backend, self.platform)(self)
+        self._reference_backend: Optional[Any] = None
+
+    @property
+    def max_recv_rows(self) -> int:
+        """Static row count of the dispatched buffer on each rank: N * max_tokens * min(R, L)."""
+        return self.num_ranks * self.rows_per_peer
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    @property
+    def _reference(self):
+        if self._reference_backend is None:
+            from jax_moe.backends.xla import XlaBackend
+
+            self._reference_backend = self.backend if isinstance(self.backend, XlaBackend) else XlaBackend(self)
+        return self._reference_backend
+
+    def __repr__(self) -> str:
+        return (f"Communicator({self.cfg.describe()}, axis={self.axis_name!r}, ranks={self.num_ranks}, "
+                f"backend={self.backend_name!r}, max_recv_rows={self.max_recv_rows})")
+
+    # --- the API, as methods ---------------------------------------------------------------------------------------
+    def dispatch(self, x: jax.Array, topk_idx: jax.Array, x_scale: Optional[jax.Array] = None) -> Dispatched:
+        return api.dispatch(self, x, topk_idx, x_scale)
+
+    def combine(self, expert_y: jax.Array, topk_weights: jax.Array, d: Dispatched) -> jax.Array:
+        return api.combine(self, expert_y, topk_weights, d)
+
+    def dispatch_send(self, x: jax.Array, topk_idx: jax.Array,
+                      x_scale: Optional[jax.Array] = None) -> DispatchHandle:
+        return api.dispatch_send(self, x, topk_idx, x_scale)
+
+    def dispatch_recv(self, handle: DispatchHandle) -> Dispatched:
+        return api.dispatch_recv(self, handle)
+
+    def combine_send(self, expert_y: jax.Array, d: Dispatched) -> CombineHandle:
+        return api.combine_send(self, expert_y, d)
+
+    def combine_recv(self, handle: CombineHandle, topk_weights: jax.Array) -> jax.Array:
+        return api.combine_recv(self, handle, topk_weights)

@@ -1,0 +1,85 @@
+"""The pytrees that dispatch/combine hand back: Dispatched and the send-half handles.
+
+Public fields are documented; fields starting with `_` are backend state that the next half consumes.
+`comm_id` is static metadata so that a handle is never fed to another Communicator by mistake.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+from jax.tree_util import register_pytree_node_class
+
+
+@register_pytree_node_class
+class Dispatched:
+    """Tokens as the experts of this rank see them.
+
+    expert_x: [max_recv_rows, hidden] in dispatch_dtype. Rows are grouped by local expert (expert order), inside an
+      expert by source rank, then source token index. Rows at or after sum(expert_counts) are padding.
+    expert_x_scale: [max_recv_rows, hidden // scale_block] float32 for fp8 dispatch, else None.
+    expert_counts: [num_local_experts] int32.
+    """
+
+    def __init__(self, expert_x: jax.Array, expert_x_scale: Optional[jax.Array], expert_counts: jax.Array,
+                 topk_idx: jax.Array, route: Any, comm_id: int):
+        self.expert_x = expert_x
+        self.expert_x_scale = expert_x_scale
+        self.expert_counts = expert_counts
+        self._topk_idx = topk_idx  # the sender's routing, kept for combine and the gradients
+        self._route = route        # backend-specific: where every row came from
+        self._comm_id = comm_id
+
+    def tree_flatten(self):
+        return (self.expert_x, self.expert_x_scale, self.expert_counts, self._topk_idx, self._route), self._comm_id
+
+    @classmethod
+    def tree_unflatten(cls, comm_id, children):
+        return cls(*children, comm_id)
+
+    def __repr__(self) -> str:
+        return (f"Dispatched(expert_x={_shape(self.expert_x)}, expert_x_scale={_shape(self.expert_x_scale)}, "
+                f"expert_counts={_shape(self.expert_counts)})")
+
+
+@register_pytree_node_class
+class DispatchHandle:
+    """What dispatch_send returns and dispatch_recv consumes (the data dependency orders the halves)."""
+
+    def __init__(self, x: jax.Array, x_scale: Optional[jax.Array], topk_idx: jax.Array, state: Any, comm_id: int):
+        self._x = x                # the input itself, so that gradients flow from dispatch_recv to x
+        self._x_scale = x_scale
+        self._topk_idx = topk_idx
+        self._state = state
+        self._comm_id = comm_id
+
+    def tree_flatten(self):
+        return (self._x, self._x_scale, self._topk_idx, self._state), self._comm_id
+
+    @classmethod
+    def tree_unflatten(cls, comm_id, children):
+        return cls(*children, comm_id)
+
+
+@register_pytree_node_class
+class CombineHandle:
+    """What combine_send returns and combine_recv consumes."""
+
+    def __init__(self, expert_y: jax.Array, dispatched: Dispatched, state: Any, comm_id: int):
+        self._expert_y = expert_y
+        self._dispatched = dispatched
+        self._state = state
+        self._comm_id = comm_id
+
+    def tree_flatten(self):
+        return (self._expert_y, self._dispatched, self._state), self._comm_id
+
+    @classmethod
+    def tree_unflatten(cls, comm_id, children):
+        return cls(*children, comm_id)
+
+
+def _shape(a: Any) -> str:
+    if a is None:
+        return "None"
+    return f"{a.dtype}{list(a.shape)}"
