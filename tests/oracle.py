@@ -37,8 +37,11 @@ def dispatch(xs, idxs, num_experts: int, scales=None):
                         if scales is not None:
                             srows.append(scales[s][t])
                         counts[e] += 1
-        out.append((np.array(rows).reshape(len(rows), *xs[0].shape[1:]),
-                    np.array(srows) if scales is not None else None, counts))
+        rows_a = np.array(rows, dtype=xs[0].dtype).reshape(len(rows), *xs[0].shape[1:])
+        srows_a = None
+        if scales is not None:
+            srows_a = np.array(srows, dtype=scales[0].dtype).reshape(len(srows), *scales[0].shape[1:])
+        out.append((rows_a, srows_a, counts))
     return out, row_of
 
 

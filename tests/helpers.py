@@ -1,0 +1,94 @@
+"""Shared test plumbing: meshes, random routings, running the API per rank and checking it against the oracle."""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_moe
+import oracle
+
+
+def mesh_of(n: int, axis: str = "ep") -> jax.sharding.Mesh:
+    return jax.make_mesh((n,), (axis,), devices=jax.devices()[:n])
+
+
+def random_routing(rng: np.random.Generator, n: int, t: int, r: int, e: int, *, mask: float = 0.2,
+                   skew: bool = False) -> np.ndarray:
+    """[n*t, r] int32: distinct experts per token, some masked (-1); skew sends every token to expert 0."""
+    idx = np.stack([rng.permutation(e)[:r] for _ in range(n * t)]).astype(np.int32)
+    if skew:
+        idx[:, 0] = 0
+        for row in idx:  # keep experts distinct after forcing expert 0 into slot 0
+            rest = [v for v in row[1:] if v != 0]
+            extra = [v for v in rng.permutation(np.arange(1, e)) if v not in rest]
+            row[1:] = (rest + extra)[: r - 1]
+    idx[rng.random(idx.shape) < mask] = -1
+    return idx
+
+
+def random_tokens(rng: np.random.Generator, rows: int, hidden: int, fp8: bool, block: int = 128):
+    x = (rng.standard_normal((rows, hidden)) * 3).astype(np.float32)
+    if not fp8:
+        return np.asarray(x.astype(jnp.bfloat16)), None
+    q, s = jax_moe.quantize_fp8(jnp.asarray(x), block)
+    return np.asarray(q), np.asarray(s)
+
+
+def shard(mesh, *arrays):
+    sh = NamedSharding(mesh, P(mesh.axis_names[0]))
+    return [None if a is None else jax.device_put(a, sh) for a in arrays]
+
+
+def split(a: np.ndarray, n: int) -> list[np.ndarray]:
+    return list(np.asarray(a).reshape(n, -1, *a.shape[1:]))
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def check_dispatch(comm, n, x, idx, scale, expert_x, expert_scale, counts) -> dict:
+    """Compare per-rank dispatch results with the oracle; returns the oracle's row map for combine checks."""
+    e = comm.cfg.num_experts
+    ref, row_of = oracle.dispatch(split(x, n), split(idx, n), e, None if scale is None else split(scale, n))
+    ex, cnt = split(expert_x, n), split(counts, n)
+    es = None if expert_scale is None else split(expert_scale, n)
+    for q in range(n):
+        rows, srows, c = ref[q]
+        np.testing.assert_array_equal(cnt[q], c, err_msg=f"expert_counts on rank {q}")
+        assert ex[q].shape == (comm.max_recv_rows, comm.cfg.hidden)
+        np.testing.assert_array_equal(bits(ex[q][: len(rows)]), bits(rows), err_msg=f"expert_x rows on rank {q}")
+        if scale is not None:
+            np.testing.assert_array_equal(bits(es[q][: len(rows)]), bits(srows), err_msg=f"scales on rank {q}")
+    return row_of
+
+
+def run(comm: jax_moe.Communicator, fn, *args, out_specs=None):
+    """jit(shard_map(fn)) over the comm's axis with every argument sharded on its first dim."""
+    mesh, axis = comm.mesh, comm.axis_name
+    specs = tuple(None if a is None else P(axis) for a in args)
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_specs or P(axis)))
+    sh = NamedSharding(mesh, P(axis))
+    return f(*[None if a is None else jax.device_put(a, sh) for a in args])
+
+
+def expert_fn(expert_x: jax.Array, counts: jax.Array, comm: jax_moe.Communicator) -> jax.Array:
+    """A cheap per-expert transform so that combine results depend on the expert: y = x * (1 + e/8) - e/16."""
+    l = comm.num_local_experts
+    starts = jnp.cumsum(counts) - counts
+    rows = jnp.arange(expert_x.shape[0])
+    e = jnp.sum(rows[:, None] >= starts[None, :], axis=1) - 1
+    e = jnp.clip(e, 0, l - 1).astype(jnp.float32) + jax.lax.axis_index(comm.axis_name) * l
+    return (expert_x.astype(jnp.float32) * (1 + e[:, None] / 8) - e[:, None] / 16).astype(comm.cfg.combine_dtype)
+
+
+def oracle_expert(rows: np.ndarray, counts: np.ndarray, rank: int, l: int, scale: Optional[np.ndarray] = None):
+    e = np.repeat(np.arange(l) + rank * l, counts).astype(np.float32)[:, None]
+    x = rows.astype(np.float32)
+    return (x * (1 + e / 8) - e / 16).astype(jnp.bfloat16)

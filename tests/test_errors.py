@@ -1,0 +1,151 @@
+"""Bad input raises a Python error at trace time that names the problem."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_moe
+from helpers import mesh_of, run
+
+N, E, R, H, T = 2, 8, 2, 128, 4
+
+
+@pytest.fixture
+def comm():
+    return jax_moe.Communicator(jax_moe.MoEConfig(E, R, H, T), mesh_of(N), "ep", backend="xla")
+
+
+@pytest.fixture
+def comm8():
+    cfg = jax_moe.MoEConfig(E, R, H, T, dispatch_dtype=jnp.float8_e4m3fn)
+    return jax_moe.Communicator(cfg, mesh_of(N), "ep", backend="xla")
+
+
+def x_of(t=T, h=H, dtype=jnp.bfloat16):
+    return np.zeros((N * t, h), dtype)
+
+
+def idx_of(t=T, r=R, dtype=np.int32):
+    return np.zeros((N * t, r), dtype)
+
+
+def dispatch_with(comm, *args):
+    def body(*a):
+        return comm.dispatch(*a).expert_x
+
+    return run(comm, body, *args)
+
+
+@pytest.mark.parametrize("cfg_kwargs, match", [
+    (dict(num_experts=0), "num_experts must be a positive int"),
+    (dict(hidden=-1), "hidden must be a positive int"),
+    (dict(max_tokens=2.5), "max_tokens must be a positive int"),
+    (dict(experts_per_token=9), "experts_per_token \\(9\\) exceeds num_experts \\(8\\)"),
+    (dict(dispatch_dtype=jnp.float32), "dispatch_dtype must be bfloat16 or float8_e4m3fn"),
+    (dict(combine_dtype=jnp.float16), "combine_dtype must be bfloat16"),
+    (dict(hidden=100, dispatch_dtype=jnp.float8_e4m3fn), "hidden \\(100\\) must be divisible by scale_block"),
+])
+def test_bad_config(cfg_kwargs, match):
+    kw = dict(num_experts=E, experts_per_token=R, hidden=H, max_tokens=T) | cfg_kwargs
+    with pytest.raises(ValueError, match=match):
+        jax_moe.MoEConfig(**kw)
+
+
+def test_bad_communicator():
+    cfg = jax_moe.MoEConfig(6, 2, H, T)
+    with pytest.raises(ValueError, match="num_experts \\(6\\) is not divisible by the 4 ranks"):
+        jax_moe.Communicator(cfg, mesh_of(4), "ep")
+    with pytest.raises(ValueError, match="axis 'tp' is not in the mesh"):
+        jax_moe.Communicator(cfg, mesh_of(2), "tp")
+    with pytest.raises(ValueError, match="unknown backend 'nccl'"):
+        jax_moe.Communicator(cfg, mesh_of(2), "ep", backend="nccl")
+    with pytest.raises(TypeError, match="cfg must be a jax_moe.MoEConfig"):
+        jax_moe.Communicator({"num_experts": 8}, mesh_of(2), "ep")
+
+
+def test_outside_shard_map(comm):
+    with pytest.raises(RuntimeError, match="inside jax.shard_map over axis 'ep'"):
+        comm.dispatch(jnp.zeros((T, H), jnp.bfloat16), jnp.zeros((T, R), jnp.int32))
+    with pytest.raises(RuntimeError, match="inside jax.shard_map over axis 'ep'"):
+        jax.jit(lambda x, i: jax_moe.dispatch(comm, x, i).expert_x)(
+            jnp.zeros((T, H), jnp.bfloat16), jnp.zeros((T, R), jnp.int32))
+
+
+def test_wrong_axis_size(comm):
+    other = jax_moe.Communicator(comm.cfg, mesh_of(4), "ep", backend="xla")
+    with pytest.raises(ValueError, match="has size 4 here, but the Communicator was built for 2 ranks"):
+        run(other, lambda x, i: comm.dispatch(x, i).expert_x, np.zeros((4 * T, H), jnp.bfloat16),
+            np.zeros((4 * T, R), np.int32))
+
+
+@pytest.mark.parametrize("x, idx, match, err", [
+    (np.zeros((N * T,), jnp.bfloat16), idx_of(), "x has shape \\[4\\], expected \\[\\?, 128\\]", ValueError),
+    (x_of(h=64), idx_of(), "x has shape \\[4, 64\\], expected \\[\\?, 128\\]", ValueError),
+    (x_of(t=T + 1), idx_of(t=T + 1), "x has 5 tokens on this rank, more than max_tokens=4", ValueError),
+    (x_of(dtype=np.float32), idx_of(), "x has dtype float32, expected dispatch_dtype bfloat16", TypeError),
+    (x_of(), idx_of(r=3), "topk_idx has shape \\[4, 3\\], expected \\[4, 2\\]", ValueError),
+    (x_of(), idx_of(dtype=np.float32), "topk_idx has dtype float32, expected int32", TypeError),
+])
+def test_bad_dispatch_input(comm, x, idx, match, err):
+    with pytest.raises(err, match=match):
+        dispatch_with(comm, x, idx)
+
+
+def test_bad_scales(comm, comm8):
+    x8 = x_of(dtype=jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="fp8 dispatch needs x_scale \\[4, 1\\] float32"):
+        dispatch_with(comm8, x8, idx_of())
+    with pytest.raises(ValueError, match="x_scale has shape \\[4, 2\\], expected \\[4, 1\\]"):
+        dispatch_with(comm8, x8, idx_of(), np.zeros((N * T, 2), np.float32))
+    with pytest.raises(TypeError, match="x_scale has dtype bfloat16, expected float32"):
+        dispatch_with(comm8, x8, idx_of(), np.zeros((N * T, 1), jnp.bfloat16))
+    with pytest.raises(ValueError, match="x_scale is only for float8_e4m3fn dispatch"):
+        dispatch_with(comm, x_of(), idx_of(), np.zeros((N * T, 1), np.float32))
+    with pytest.raises(TypeError, match="use jax_moe.quantize_fp8"):
+        dispatch_with(comm8, x_of(), idx_of(), np.zeros((N * T, 1), np.float32))
+
+
+def test_bad_combine_input(comm):
+    m = comm.max_recv_rows
+
+    def combine_with(y_rows, y_dtype, w_shape, w_dtype):
+        def body(x, idx):
+            d = comm.dispatch(x, idx)
+            y = jnp.zeros((y_rows, H), y_dtype)
+            return comm.combine(y, jnp.zeros(w_shape, w_dtype), d)
+
+        return run(comm, body, x_of(), idx_of())
+
+    with pytest.raises(ValueError, match=f"expert_y has shape \\[{m - 1}, 128\\], expected \\[{m}, 128\\]"):
+        combine_with(m - 1, jnp.bfloat16, (T, R), jnp.float32)
+    with pytest.raises(TypeError, match="expert_y has dtype float32, expected bfloat16"):
+        combine_with(m, jnp.float32, (T, R), jnp.float32)
+    with pytest.raises(ValueError, match="topk_weights has shape \\[4, 3\\], expected \\[4, 2\\]"):
+        combine_with(m, jnp.bfloat16, (T, 3), jnp.float32)
+    with pytest.raises(TypeError, match="topk_weights has dtype int32, expected a floating dtype"):
+        combine_with(m, jnp.bfloat16, (T, R), jnp.int32)
+
+
+def test_handles_are_checked(comm):
+    other = jax_moe.Communicator(comm.cfg, comm.mesh, "ep", backend="xla")
+
+    def recv_other(x, idx):
+        return other.dispatch_recv(comm.dispatch_send(x, idx)).expert_x
+
+    with pytest.raises(ValueError, match="this handle was made by another Communicator"):
+        run(comm, recv_other, x_of(), idx_of())
+
+    def combine_not_dispatched(x, idx):
+        return comm.combine(jnp.zeros((comm.max_recv_rows, H), jnp.bfloat16), jnp.zeros((T, R)), x)
+
+    with pytest.raises(TypeError, match="expected the Dispatched returned by dispatch"):
+        run(comm, combine_not_dispatched, x_of(), idx_of())
+
+    def recv_wrong_handle(x, idx):
+        return comm.combine_recv(comm.dispatch_send(x, idx), jnp.zeros((T, R)))
+
+    with pytest.raises(TypeError, match="expected the handle from combine_send, got DispatchHandle"):
+        run(comm, recv_wrong_handle, x_of(), idx_of())
