@@ -1,0 +1,42 @@
+"""Launching several Python processes on localhost for a test, with a bounded wait and no stray children."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: str, argv_per_proc: Sequence[Sequence[str]], timeout_s: float = 240,
+           env: dict | None = None) -> list[str]:
+    """Runs one process per argv; returns their outputs; fails (and kills all) on error or timeout."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    full_env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, os.path.join(here, script), *map(str, argv)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=full_env) for argv in argv_per_proc]
+    deadline = time.monotonic() + timeout_s
+    outputs: list[str] = []
+    try:
+        for i, p in enumerate(procs):
+            try:
+                out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"process {i} of {script} did not finish within {timeout_s} s") from None
+            outputs.append(out)
+            if p.returncode != 0:
+                raise AssertionError(f"process {i} of {script} exited with {p.returncode}:\n{out[-6000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outputs
