@@ -1,0 +1,43 @@
+"""MoELMConfig: the hyperparameters of the small MoE transformer LM (saved next to its checkpoints as JSON)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class MoELMConfig:
+    """vocab_size: tokens (characters) of the LM. hidden: model width. num_layers blocks of attention + MoE.
+    num_heads: attention heads (hidden % num_heads == 0). ffn: per-expert FFN width. num_experts E (divisible by the
+    EP size), experts_per_token R. shared_ffn: width of the shared expert (0 = none). activation: "swiglu" | "gelu".
+    tie_embeddings: the head reuses the embedding matrix. aux_loss_coef: weight of the load-balancing loss.
+    rope_base: rotary position embedding base. dtype: compute/param dtype name ("float32" or "bfloat16").
+    """
+
+    vocab_size: int
+    hidden: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    ffn: int = 128
+    num_experts: int = 8
+    experts_per_token: int = 2
+    shared_ffn: int = 0
+    activation: str = "swiglu"
+    tie_embeddings: bool = True
+    aux_loss_coef: float = 0.01
+    rope_base: float = 10000.0
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.num_heads or (self.hidden // self.num_heads) % 2:
+            raise ValueError(f"MoELMConfig: hidden ({self.hidden}) must split into {self.num_heads} heads of an "
+                             "even size (rotary embeddings)")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "MoELMConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
