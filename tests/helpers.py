@@ -13,8 +13,14 @@ import jax_moe
 import oracle
 
 
-def mesh_of(n: int, axis: str = "ep") -> jax.sharding.Mesh:
-    return jax.make_mesh((n,), (axis,), devices=jax.devices()[:n])
+def mesh_of(n: int, axis: str = "ep", platform: str = "cpu") -> jax.sharding.Mesh:
+    """A 1-D mesh of n devices of `platform` (CPU by default, also on machines with GPUs)."""
+    devices = jax.devices(platform)
+    if len(devices) < n:
+        import pytest
+
+        pytest.skip(f"needs {n} {platform} devices, this machine has {len(devices)}")
+    return jax.make_mesh((n,), (axis,), devices=devices[:n])
 
 
 def random_routing(rng: np.random.Generator, n: int, t: int, r: int, e: int, *, mask: float = 0.2,
