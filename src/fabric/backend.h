@@ -1,0 +1,79 @@
+// What the engine needs from a transport (libfabric or ibverbs). Every method is called from the
+// engine's progress thread only, so backends need no locking (FI_THREAD_DOMAIN / one PD per thread).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace jax_moe::fabric {
+
+// Storage the provider may use while an operation is in flight (fi_context2 / wr_id target). The
+// engine embeds it as the first member of its per-operation context.
+struct alignas(16) OpContextStorage {
+  void* words[8];
+};
+
+// One registered region, per NIC: the key peers use and the local descriptor writes need.
+struct BackendRegion {
+  virtual ~BackendRegion() = default;
+  std::vector<uint64_t> keys;   // remote keys, one per NIC
+  std::vector<void*> descs;     // local descriptors (fi_mr_desc / lkey), one per NIC
+};
+
+// A write ready to post. Built from a group template and patched per call (see peer_group.h).
+struct WriteRequest {
+  void* context = nullptr;  // OpContextStorage* returned in the completion
+  uint64_t dest = 0;        // peer handle from AddPeer on this NIC
+  const void* local = nullptr;
+  uint64_t length = 0;
+  void* local_desc = nullptr;
+  uint64_t remote_addr = 0;  // virtual address or offset, as remote_virt_addr() says
+  uint64_t rkey = 0;
+  bool has_imm = false;
+  uint32_t imm = 0;
+};
+
+struct Completion {
+  enum Kind { kWriteDone, kSendDone, kRecvDone, kImm, kError };
+  Kind kind = kError;
+  void* context = nullptr;  // WriteRequest::context / send / recv context; null for kImm
+  uint64_t length = 0;      // bytes received (kRecvDone)
+  uint32_t imm = 0;         // raw 32-bit immediate (kImm)
+  std::string error;        // kError: provider text
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string provider() const = 0;
+  virtual int num_nics() const = 0;
+  virtual std::string NicAddress(int nic) const = 0;
+  // Human-readable form of a peer NIC address, for error messages.
+  virtual std::string FormatAddress(int nic, const std::string& raw) const = 0;
+  // Whether remote addresses are virtual addresses (FI_MR_VIRT_ADDR / verbs) or offsets into the region.
+  virtual bool remote_virt_addr() const = 0;
+  virtual uint64_t max_write_bytes() const = 0;
+  virtual bool supports_device_memory() const = 0;
+
+  virtual std::unique_ptr<BackendRegion> Register(void* ptr, uint64_t nbytes, int device) = 0;
+  // Makes a peer NIC address reachable from local NIC `nic`; returns the handle used in WriteRequest::dest.
+  virtual uint64_t AddPeer(int nic, const std::string& raw_address) = 0;
+  // Transport connection data exchanged in the handshake (verbs: RC QPs). Empty for libfabric RDM.
+  virtual std::string LocalConnectBlob(uint32_t peer) { return {}; }
+  virtual void AcceptConnectBlob(uint32_t peer, const std::string& blob) {}
+
+  // Post writes in order; returns how many were accepted (the rest hit a full queue: retry later).
+  virtual size_t PostWrites(int nic, const WriteRequest* writes, size_t n) = 0;
+  // Small control message (handshake) to a peer handle; false when the queue is full.
+  virtual bool PostSend(int nic, uint64_t dest, const void* buf, size_t len, void* context) = 0;
+  virtual void PostRecv(int nic, void* buf, size_t len, void* context) = 0;
+  // Appends up to `max` completions of NIC `nic`; returns how many.
+  virtual size_t Poll(int nic, std::vector<Completion>* out, size_t max) = 0;
+};
+
+// Opens the backend named by `provider` ("auto", "efa", "verbs", "tcp", "shm", "ibverbs") with `num_nics`
+// domains. Throws Error(kUnavailable) when it cannot.
+std::unique_ptr<Backend> OpenBackend(const std::string& provider, int num_nics);
+
+}  // namespace jax_moe::fabric

@@ -1,0 +1,739 @@
+#include "fabric/engine_core.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "common/deadline.h"
+#include "common/error.h"
+#include "common/log.h"
+
+namespace jax_moe::fabric {
+
+struct CallState {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+};
+
+namespace {
+
+constexpr size_t kRecvBuffers = 32;
+constexpr size_t kRecvBytes = 16384;
+constexpr size_t kPostBatch = 64;
+constexpr size_t kPollBatch = 64;
+
+uint64_t MakeNonce() {
+  std::random_device rd;
+  uint64_t t = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  uint64_t v = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ (t * 0x9e3779b97f4a7c15ull) ^
+               (static_cast<uint64_t>(getpid()) << 17);
+  return v == 0 ? 1 : v;
+}
+
+std::string FormatSeconds(double s) {
+  std::ostringstream os;
+  os.precision(3);
+  os << s << " s";
+  return os.str();
+}
+
+}  // namespace
+
+EngineCore::EngineCore(const EngineOptions& options) : options_(options) {
+  Require(options.num_nics >= 1 && options.num_nics <= 16, "num_nics must be in [1, 16]");
+  backend_ = OpenBackend(options.provider, options.num_nics);
+  num_nics_ = backend_->num_nics();
+  nonce_ = MakeNonce();
+  EngineAddress addr;
+  addr.nonce = nonce_;
+  addr.provider = backend_->provider();
+  for (int i = 0; i < num_nics_; ++i) addr.nics.push_back(backend_->NicAddress(i));
+  address_ = addr.Serialize();
+  imms_per_nic_ = std::vector<std::atomic<uint64_t>>(num_nics_);
+}
+
+EngineCore::~EngineCore() { Close(); }
+
+void EngineCore::Start() {
+  thread_ = std::thread([this] { ProgressLoop(); });
+}
+
+void EngineCore::CheckOpen() const {
+  if (closed_.load()) Throw(ErrorCode::kClosed, "TransferEngine is closed");
+}
+
+void EngineCore::Close() {
+  if (closed_.exchange(true)) return;
+  stop_ = true;
+  sq_cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  imms_.Shutdown();
+  {
+    std::lock_guard<std::mutex> lock(sq_mu_);
+    for (auto& call : sq_calls_) {
+      std::lock_guard<std::mutex> l(call.state->mu);
+      call.state->error = std::make_exception_ptr(Error(ErrorCode::kClosed, "TransferEngine is closed"));
+      call.state->done = true;
+      call.state->cv.notify_all();
+    }
+    sq_calls_.clear();
+    sq_writes_.clear();
+  }
+  peers_cv_.notify_all();
+  sends_cv_.notify_all();
+  std::lock_guard<std::mutex> lock(mu_);
+  regions_.clear();  // closes memory registrations before their domains
+  backend_.reset();
+  backlog_.clear();
+  pending_sends_.clear();
+  free_ops_.clear();
+  all_ops_.clear();
+}
+
+void EngineCore::RunOnProgress(std::function<void()> fn) {
+  CheckOpen();
+  auto state = std::make_shared<CallState>();
+  {
+    std::lock_guard<std::mutex> lock(sq_mu_);
+    sq_calls_.push_back({std::move(fn), state});
+    sq_nonempty_ = true;
+  }
+  sq_cv_.notify_one();
+  std::unique_lock<std::mutex> lock(state->mu);
+  state->cv.wait(lock, [&] { return state->done; });
+  if (state->error) std::rethrow_exception(state->error);
+}
+
+void EngineCore::Submit(std::vector<PendingWrite>&& writes) {
+  {
+    std::lock_guard<std::mutex> lock(sq_mu_);
+    if (sq_writes_.empty()) {
+      sq_writes_ = std::move(writes);
+    } else {
+      sq_writes_.insert(sq_writes_.end(), writes.begin(), writes.end());
+    }
+    sq_nonempty_ = true;
+  }
+  sq_cv_.notify_one();
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Registration
+
+std::shared_ptr<MemoryRegion> EngineCore::Register(void* ptr, uint64_t nbytes, int device) {
+  CheckOpen();
+  Require(ptr != nullptr, "register: null pointer");
+  Require(nbytes > 0, "register: empty region");
+  Require(reinterpret_cast<uint64_t>(ptr) + nbytes >= reinterpret_cast<uint64_t>(ptr), "register: region wraps");
+  if (device >= 0 && !backend_->supports_device_memory()) {
+    Throw(ErrorCode::kUnavailable, "register: provider '" + backend_->provider() +
+                                       "' cannot register CUDA device memory (no FI_HMEM support)");
+  }
+  std::unique_ptr<BackendRegion> br;
+  RunOnProgress([&] { br = backend_->Register(ptr, nbytes, device); });
+  std::shared_ptr<MemoryRegion> mr(new MemoryRegion());
+  mr->core_ = weak_from_this();
+  mr->ptr_ = ptr;
+  mr->size_ = nbytes;
+  mr->device_ = device;
+  mr->descriptor_.owner = nonce_;
+  mr->descriptor_.base = reinterpret_cast<uint64_t>(ptr);
+  mr->descriptor_.size = nbytes;
+  mr->descriptor_.flags = device >= 0 ? RegionDescriptor::kFlagDevice : 0;
+  mr->descriptor_.keys = br->keys;
+  std::lock_guard<std::mutex> lock(mu_);
+  mr->id_ = next_region_id_++;
+  regions_[mr->id_].region = std::move(br);
+  return mr;
+}
+
+void EngineCore::Deregister(uint64_t id) {
+  if (closed_.load()) return;
+  std::unique_ptr<BackendRegion> region;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = regions_.find(id);
+    if (it == regions_.end()) return;
+    region = std::move(it->second.region);
+    regions_.erase(it);
+  }
+  // fi_close must run on the progress thread; hand the registration over and let it die there.
+  auto holder = std::make_shared<std::unique_ptr<BackendRegion>>(std::move(region));
+  try {
+    RunOnProgress([holder] { holder->reset(); });
+  } catch (const Error&) {
+    // Engine closed meanwhile: the backend already released everything.
+    holder->release();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Peers and handshake
+
+PeerState& EngineCore::FindOrAddPeerLocked(const EngineAddress& addr, const std::string& raw) {
+  auto it = peer_by_nonce_.find(addr.nonce);
+  if (it != peer_by_nonce_.end()) return *peers_[it->second];
+  if (peers_.size() >= kMaxPeers) Throw(ErrorCode::kInvalidArgument, "too many peers (max 4096)");
+  auto p = std::make_unique<PeerState>();
+  p->id = static_cast<uint32_t>(peers_.size());
+  p->nonce = addr.nonce;
+  p->address = raw;
+  p->remote_num_nics = static_cast<int>(addr.nics.size());
+  p->nic = static_cast<int>(p->id % num_nics_);
+  p->remote_nic = p->nic % p->remote_num_nics;
+  for (int i = 0; i < num_nics_; ++i) {
+    p->dest.push_back(backend_->AddPeer(i, addr.nics[i % p->remote_num_nics]));
+  }
+  p->label = "peer " + std::to_string(p->id) + " (" + backend_->FormatAddress(0, addr.nics[0]) + ")";
+  peer_by_nonce_[addr.nonce] = p->id;
+  peers_.push_back(std::move(p));
+  return *peers_.back();
+}
+
+void EngineCore::SendHandshake(PeerState& peer, Handshake::Type type) {
+  Handshake h;
+  h.type = type;
+  h.sender_nonce = nonce_;
+  h.your_slot = peer.id;
+  h.sender_address = address_;
+  h.blob = backend_->LocalConnectBlob(peer.id);
+  OpContext* op = NewOp(OpContext::kSend, peer.id, 0);
+  op->buffer = h.Serialize();
+  pending_sends_.push_back({0, peer.dest[0], op});
+}
+
+uint32_t EngineCore::Connect(const std::string& address, double timeout_s) {
+  CheckOpen();
+  EngineAddress addr = EngineAddress::Parse(address);
+  Require(addr.provider == backend_->provider(),
+          "connect: peer uses provider '" + addr.provider + "', this engine '" + backend_->provider() + "'");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = peer_by_nonce_.find(addr.nonce);
+    if (it != peer_by_nonce_.end() && peers_[it->second]->ready) return it->second;
+  }
+  uint32_t id = 0;
+  RunOnProgress([&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    PeerState& p = FindOrAddPeerLocked(addr, address);
+    id = p.id;
+    if (!p.ready) SendHandshake(p, Handshake::kHello);
+  });
+  Deadline deadline = Deadline::After(timeout_s);
+  active_waiters_++;
+  std::unique_lock<std::mutex> lock(mu_);
+  PeerState& p = *peers_[id];
+  bool ok = peers_cv_.wait_until(lock, deadline.at(), [&] { return p.ready || p.failed || closed_; });
+  active_waiters_--;
+  CheckOpen();
+  if (p.failed) Throw(ErrorCode::kPeerFailed, "connect: " + p.label + " failed: " + p.failure);
+  if (!ok) {
+    Throw(ErrorCode::kTimeout, "connect: " + p.label + " did not answer the handshake within " +
+                                   FormatSeconds(timeout_s));
+  }
+  return id;
+}
+
+void EngineCore::OnMessage(int nic, const std::string& bytes) {
+  Handshake h;
+  EngineAddress addr;
+  try {
+    h = Handshake::Parse(bytes.data(), bytes.size());
+    addr = EngineAddress::Parse(h.sender_address);
+    Require(addr.nonce == h.sender_nonce, "handshake: sender nonce does not match its address");
+    Require(addr.provider == backend_->provider(), "handshake: provider mismatch");
+  } catch (const Error& e) {
+    JAX_MOE_LOG(kWarn, "dropping control message on NIC " << nic << ": " << e.what());
+    return;
+  }
+  PeerState* peer = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    try {
+      peer = &FindOrAddPeerLocked(addr, h.sender_address);
+      if (h.your_slot >= kMaxPeers) Throw(ErrorCode::kInvalidArgument, "handshake: bad slot");
+      peer->remote_slot = h.your_slot;
+      backend_->LocalConnectBlob(peer->id);  // create transport state before accepting the peer's
+      backend_->AcceptConnectBlob(peer->id, h.blob);
+      peer->ready = true;
+    } catch (const Error& e) {
+      JAX_MOE_LOG(kWarn, "handshake from " << backend_->FormatAddress(0, addr.nics[0]) << " failed: " << e.what());
+      return;
+    }
+  }
+  peers_cv_.notify_all();
+  if (h.type == Handshake::kHello) SendHandshake(*peer, Handshake::kAck);
+}
+
+void EngineCore::FailPeer(uint32_t peer, const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (peer >= peers_.size()) return;
+    PeerState& p = *peers_[peer];
+    if (!p.failed.exchange(true)) {
+      p.failure = why;
+      JAX_MOE_LOG(kWarn, p.label << " failed: " << why);
+    }
+  }
+  peers_cv_.notify_all();
+  imms_.Poke();
+}
+
+std::string EngineCore::PeerListLocked(const std::vector<uint32_t>& peers) const {
+  std::string out;
+  for (uint32_t id : peers) {
+    if (!out.empty()) out += ", ";
+    if (id < peers_.size()) {
+      out += peers_[id]->label;
+      if (peers_[id]->failed) out += " [failed: " + peers_[id]->failure + "]";
+    } else {
+      out += "peer " + std::to_string(id) + " (unknown)";
+    }
+  }
+  return out;
+}
+
+std::string EngineCore::PeerLabel(uint32_t peer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return PeerListLocked({peer});
+}
+
+std::vector<PeerInfo> EngineCore::Peers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<PeerInfo> out;
+  for (const auto& p : peers_) out.push_back({p->id, p->label, p->nic, p->failed.load(), p->failure});
+  return out;
+}
+
+EngineStats EngineCore::Stats() const {
+  EngineStats s;
+  s.writes_posted = writes_posted_.load();
+  s.writes_completed = writes_completed_.load();
+  s.write_errors = write_errors_.load();
+  for (const auto& c : imms_per_nic_) s.imms_per_nic.push_back(c.load());
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Groups and posting
+
+uint32_t EngineCore::CreateGroup(const std::vector<uint32_t>& peers, const std::vector<RegionDescriptor>& regions) {
+  CheckOpen();
+  Require(!peers.empty(), "peer_group: no peers");
+  Require(peers.size() == regions.size(), "peer_group: " + std::to_string(peers.size()) + " peers but " +
+                                              std::to_string(regions.size()) + " descriptors");
+  Require(std::set<uint32_t>(peers.begin(), peers.end()).size() == peers.size(), "peer_group: duplicate peer");
+  auto group = std::make_unique<PeerGroup>();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < peers.size(); ++i) {
+    Require(peers[i] < peers_.size() && peers_[peers[i]]->ready,
+            "peer_group: unknown peer " + std::to_string(peers[i]) + " (connect() it first)");
+    const PeerState& p = *peers_[peers[i]];
+    const RegionDescriptor& d = regions[i];
+    Require(d.owner == p.nonce, "peer_group: descriptor " + std::to_string(i) +
+                                    " was not registered by " + p.label + " (forged or mismatched)");
+    Require(static_cast<int>(d.keys.size()) == p.remote_num_nics,
+            "peer_group: descriptor " + std::to_string(i) + " has keys for " + std::to_string(d.keys.size()) +
+                " NICs, " + p.label + " has " + std::to_string(p.remote_num_nics));
+    WriteTemplate t;
+    t.peer = p.id;
+    t.nic = static_cast<int>(i % num_nics_);  // shard members (not bytes) over local NICs
+    const int remote_nic = t.nic % p.remote_num_nics;
+    t.req.dest = p.dest[t.nic];
+    t.req.rkey = d.keys[remote_nic];
+    t.req.remote_addr = backend_->remote_virt_addr() ? d.base : 0;
+    t.imm_slot = p.remote_slot;
+    t.remote_size = d.size;
+    group->templates.push_back(t);
+  }
+  group->members = peers;
+  group->regions = regions;
+  groups_.push_back(std::move(group));
+  return static_cast<uint32_t>(groups_.size() - 1);
+}
+
+size_t EngineCore::GroupSize(uint32_t group) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  Require(group < groups_.size(), "unknown peer group " + std::to_string(group));
+  return groups_[group]->members.size();
+}
+
+void EngineCore::Scatter(uint32_t group, const MemoryRegion* src, const uint64_t* src_offsets,
+                         const uint64_t* lengths, const uint64_t* dst_offsets, size_t n, std::optional<uint32_t> imm,
+                         bool zero_byte) {
+  CheckOpen();
+  if (imm) Require(*imm <= kMaxUserImm, "imm must be in [0, " + std::to_string(kMaxUserImm) + "]");
+  std::vector<PendingWrite> writes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Require(group < groups_.size(), "unknown peer group " + std::to_string(group));
+    const PeerGroup& g = *groups_[group];
+    Require(n == g.members.size(), "scatter: got " + std::to_string(n) + " entries for a group of " +
+                                       std::to_string(g.members.size()) + " peers");
+    const BackendRegion* local = nullptr;
+    if (!zero_byte) {
+      Require(src != nullptr && src->core_.lock().get() == this, "scatter: region is not registered with this engine");
+      auto it = regions_.find(src->id_);
+      Require(it != regions_.end(), "scatter: region was deregistered");
+      local = it->second.region.get();
+    }
+    writes.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      const WriteTemplate& t = g.templates[i];
+      const PeerState& p = *peers_[t.peer];
+      if (p.failed) Throw(ErrorCode::kPeerFailed, "scatter: " + PeerListLocked({t.peer}));
+      uint64_t so = 0, len = 0, doff = 0;
+      if (!zero_byte) {
+        so = src_offsets[i], len = lengths[i], doff = dst_offsets[i];
+        Require(src->descriptor().Contains(so, len),
+                "scatter: entry " + std::to_string(i) + " reads [" + std::to_string(so) + ", +" + std::to_string(len) +
+                    ") outside the source region of " + std::to_string(src->size()) + " bytes");
+        Require(g.regions[i].Contains(doff, len),
+                "scatter: entry " + std::to_string(i) + " writes [" + std::to_string(doff) + ", +" +
+                    std::to_string(len) + ") outside the remote region of " + std::to_string(t.remote_size) +
+                    " bytes of " + p.label);
+        Require(len <= backend_->max_write_bytes(), "scatter: entry " + std::to_string(i) + " exceeds the provider's " +
+                                                        std::to_string(backend_->max_write_bytes()) + "-byte write limit");
+      }
+      const void* base = zero_byte ? nullptr : src->data();
+      void* desc = zero_byte ? nullptr : local->descs[t.nic];
+      PatchWrite(t, base, desc, so, len, doff, imm, nullptr, &writes[i].req);
+      writes[i].nic = t.nic;
+      writes[i].peer = t.peer;
+    }
+    for (const auto& w : writes) peers_[w.peer]->in_flight++;
+  }
+  writes_posted_ += n;
+  Submit(std::move(writes));
+}
+
+void EngineCore::Write(uint32_t peer, const MemoryRegion& src, uint64_t src_offset, uint64_t length,
+                       const RegionDescriptor& dst, uint64_t dst_offset, std::optional<uint32_t> imm) {
+  CheckOpen();
+  if (imm) Require(*imm <= kMaxUserImm, "imm must be in [0, " + std::to_string(kMaxUserImm) + "]");
+  std::vector<PendingWrite> writes(1);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Require(peer < peers_.size() && peers_[peer]->ready, "write: unknown peer " + std::to_string(peer));
+    PeerState& p = *peers_[peer];
+    if (p.failed) Throw(ErrorCode::kPeerFailed, "write: " + PeerListLocked({peer}));
+    Require(dst.owner == p.nonce, "write: descriptor was not registered by " + p.label + " (forged or mismatched)");
+    Require(static_cast<int>(dst.keys.size()) == p.remote_num_nics, "write: descriptor NIC count mismatch");
+    Require(src.core_.lock().get() == this, "write: region is not registered with this engine");
+    auto it = regions_.find(src.id_);
+    Require(it != regions_.end(), "write: region was deregistered");
+    Require(src.descriptor().Contains(src_offset, length), "write: source range [" + std::to_string(src_offset) + ", +" +
+                                                               std::to_string(length) + ") outside the source region of " +
+                                                               std::to_string(src.size()) + " bytes");
+    Require(dst.Contains(dst_offset, length), "write: destination range [" + std::to_string(dst_offset) + ", +" +
+                                                  std::to_string(length) + ") outside the remote region of " +
+                                                  std::to_string(dst.size) + " bytes");
+    Require(length <= backend_->max_write_bytes(), "write: exceeds the provider's write size limit");
+    WriteTemplate t;
+    t.peer = peer;
+    t.nic = p.nic;
+    t.req.dest = p.dest[p.nic];
+    t.req.rkey = dst.keys[p.remote_nic];
+    t.req.remote_addr = backend_->remote_virt_addr() ? dst.base : 0;
+    t.imm_slot = p.remote_slot;
+    PatchWrite(t, src.data(), it->second.region->descs[p.nic], src_offset, length, dst_offset, imm, nullptr,
+               &writes[0].req);
+    writes[0].nic = p.nic;
+    writes[0].peer = peer;
+    p.in_flight++;
+  }
+  writes_posted_++;
+  Submit(std::move(writes));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Waits
+
+void EngineCore::WaitImm(uint32_t imm, uint64_t count, double timeout_s) {
+  CheckOpen();
+  Require(imm <= kMaxUserImm, "imm must be in [0, " + std::to_string(kMaxUserImm) + "]");
+  std::map<uint32_t, uint64_t> seen;
+  if (imms_.Wait(imm, count, Deadline::After(timeout_s), &seen)) return;
+  CheckOpen();
+  uint64_t got = 0;
+  std::vector<uint32_t> missing;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& kv : seen) got += kv.second;
+  for (const auto& p : peers_) {
+    if (!seen.count(p->id)) missing.push_back(p->id);
+  }
+  Throw(ErrorCode::kTimeout, "wait_imm(imm=" + std::to_string(imm) + ", count=" + std::to_string(count) +
+                                 ") timed out after " + FormatSeconds(timeout_s) + ": got " + std::to_string(got) +
+                                 "; peers that sent none: " + (missing.empty() ? "none" : PeerListLocked(missing)));
+}
+
+void EngineCore::WaitImmFrom(uint32_t imm, const std::vector<uint32_t>& peers, double timeout_s) {
+  CheckOpen();
+  Require(imm <= kMaxUserImm, "imm must be in [0, " + std::to_string(kMaxUserImm) + "]");
+  Require(std::set<uint32_t>(peers.begin(), peers.end()).size() == peers.size(), "wait_imm_from: duplicate peer");
+  std::vector<uint32_t> missing;
+  if (imms_.WaitFrom(imm, peers, 1, Deadline::After(timeout_s), &missing)) return;
+  CheckOpen();
+  std::lock_guard<std::mutex> lock(mu_);
+  Throw(ErrorCode::kTimeout, "wait_imm_from(imm=" + std::to_string(imm) + ") timed out after " +
+                                 FormatSeconds(timeout_s) + "; missing: " + PeerListLocked(missing));
+}
+
+void EngineCore::WaitSends(double timeout_s) {
+  CheckOpen();
+  const uint64_t target = writes_posted_.load();
+  Deadline deadline = Deadline::After(timeout_s);
+  active_waiters_++;
+  std::unique_lock<std::mutex> lock(sends_mu_);
+  bool ok = sends_cv_.wait_until(lock, deadline.at(), [&] { return writes_completed_.load() >= target || closed_; });
+  active_waiters_--;
+  CheckOpen();
+  const uint64_t errors = write_errors_.load();
+  const bool new_errors = errors > errors_reported_;
+  errors_reported_ = errors;
+  lock.unlock();
+  if (!ok || new_errors) {
+    std::vector<uint32_t> bad;
+    std::lock_guard<std::mutex> plock(mu_);
+    for (const auto& p : peers_) {
+      if ((new_errors && p->failed) || (!ok && p->in_flight > 0)) bad.push_back(p->id);
+    }
+    if (!ok) {
+      Throw(ErrorCode::kTimeout, "wait_sends timed out after " + FormatSeconds(timeout_s) +
+                                     "; writes still in flight to: " + PeerListLocked(bad));
+    }
+    Throw(ErrorCode::kPeerFailed, "wait_sends: " + std::to_string(errors) + " write(s) failed; peers: " +
+                                      PeerListLocked(bad));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Progress thread
+
+OpContext* EngineCore::NewOp(OpContext::Kind kind, uint32_t peer, int nic) {
+  OpContext* op;
+  if (free_ops_.empty()) {
+    all_ops_.push_back(std::make_unique<OpContext>());
+    op = all_ops_.back().get();
+  } else {
+    op = free_ops_.back();
+    free_ops_.pop_back();
+  }
+  op->kind = kind;
+  op->peer = peer;
+  op->nic = nic;
+  return op;
+}
+
+void EngineCore::FreeOp(OpContext* op) {
+  op->buffer.clear();
+  free_ops_.push_back(op);
+}
+
+void EngineCore::PostRecvBuffer(int nic, OpContext* op) {
+  op->buffer.resize(kRecvBytes);
+  backend_->PostRecv(nic, op->buffer.data(), op->buffer.size(), op);
+}
+
+void EngineCore::WriteDone(OpContext* op, bool ok) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (op->peer < peers_.size()) peers_[op->peer]->in_flight--;
+  }
+  if (!ok) write_errors_++;
+  writes_completed_++;
+  FreeOp(op);
+}
+
+bool EngineCore::DrainSubmissions() {
+  if (!sq_nonempty_.load(std::memory_order_acquire)) return false;
+  std::vector<PendingWrite> writes;
+  std::vector<PendingCall> calls;
+  {
+    std::lock_guard<std::mutex> lock(sq_mu_);
+    writes.swap(sq_writes_);
+    calls.swap(sq_calls_);
+    sq_nonempty_ = false;
+  }
+  for (auto& call : calls) {
+    try {
+      call.fn();
+    } catch (...) {
+      call.state->error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(call.state->mu);
+    call.state->done = true;
+    call.state->cv.notify_all();
+  }
+  for (auto& w : writes) backlog_.push_back(w);
+  return true;
+}
+
+bool EngineCore::PostPending() {
+  bool progressed = false;
+  while (!pending_sends_.empty()) {
+    PendingSend& s = pending_sends_.front();
+    bool ok = false;
+    try {
+      ok = backend_->PostSend(s.nic, s.dest, s.op->buffer.data(), s.op->buffer.size(), s.op);
+    } catch (const Error& e) {
+      FailPeer(s.op->peer, e.what());
+      FreeOp(s.op);
+      pending_sends_.pop_front();
+      continue;
+    }
+    if (!ok) break;
+    pending_sends_.pop_front();
+    progressed = true;
+  }
+  WriteRequest batch[kPostBatch];
+  while (!backlog_.empty()) {
+    const int nic = backlog_.front().nic;
+    size_t n = 0;
+    for (auto it = backlog_.begin(); it != backlog_.end() && it->nic == nic && n < kPostBatch; ++it, ++n) {
+      if (it->req.context == nullptr) it->req.context = NewOp(OpContext::kWrite, it->peer, nic);
+      batch[n] = it->req;
+    }
+    size_t posted = 0;
+    std::string error;
+    try {
+      posted = backend_->PostWrites(nic, batch, n);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    for (size_t i = 0; i < posted; ++i) backlog_.pop_front();
+    if (posted > 0) progressed = true;
+    if (!error.empty()) {
+      // The write at the head could not be posted at all: it completes as failed.
+      PendingWrite w = backlog_.front();
+      backlog_.pop_front();
+      FailPeer(w.peer, error);
+      WriteDone(static_cast<OpContext*>(w.req.context), false);
+      progressed = true;
+      continue;
+    }
+    if (posted < n) break;  // queue full: poll completions, then retry
+  }
+  return progressed;
+}
+
+bool EngineCore::PollAll() {
+  bool any = false;
+  bool sends_changed = false;
+  arrivals_.clear();
+  for (int nic = 0; nic < num_nics_; ++nic) {
+    completions_.clear();
+    size_t n = backend_->Poll(nic, &completions_, kPollBatch);
+    if (n == 0) continue;
+    any = true;
+    for (const Completion& c : completions_) {
+      if (c.kind != Completion::kImm && c.context != nullptr &&
+          static_cast<OpContext*>(c.context)->kind == OpContext::kWrite) {
+        sends_changed = true;
+      }
+      OnCompletion(nic, c);
+    }
+  }
+  if (!arrivals_.empty()) imms_.AddBatch(arrivals_.data(), arrivals_.size());
+  if (sends_changed) {
+    std::lock_guard<std::mutex> lock(sends_mu_);
+    sends_cv_.notify_all();
+  }
+  return any;
+}
+
+void EngineCore::OnCompletion(int nic, const Completion& c) {
+  OpContext* op = static_cast<OpContext*>(c.context);
+  switch (c.kind) {
+    case Completion::kWriteDone:
+    case Completion::kSendDone:
+    case Completion::kRecvDone:
+      // Our own operation finished: what it was is recorded in its context.
+      if (op->kind == OpContext::kWrite) {
+        WriteDone(op, true);
+      } else if (op->kind == OpContext::kSend) {
+        FreeOp(op);
+      } else {
+        std::string msg = op->buffer.substr(0, std::min<uint64_t>(c.length, op->buffer.size()));
+        PostRecvBuffer(nic, op);
+        OnMessage(nic, msg);
+      }
+      break;
+    case Completion::kImm: {
+      const uint32_t slot = ImmSlot(c.imm);
+      imms_per_nic_[nic]++;
+      arrivals_.push_back({ImmUser(c.imm), slot});
+      break;
+    }
+    case Completion::kError:
+      if (op == nullptr) {
+        JAX_MOE_LOG(kWarn, "completion error on NIC " << nic << ": " << c.error);
+      } else if (op->kind == OpContext::kWrite) {
+        FailPeer(op->peer, c.error);
+        WriteDone(op, false);
+      } else if (op->kind == OpContext::kSend) {
+        FailPeer(op->peer, c.error);
+        FreeOp(op);
+      } else {
+        JAX_MOE_LOG(kWarn, "receive error on NIC " << nic << ": " << c.error);
+        if (!stop_) PostRecvBuffer(nic, op);
+      }
+      break;
+  }
+}
+
+void EngineCore::ProgressLoop() {
+  if (options_.progress_cpu >= 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(options_.progress_cpu, &set);
+    int rc = pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+    if (rc != 0) JAX_MOE_LOG(kWarn, "pinning the progress thread to CPU " << options_.progress_cpu << " failed: " << rc);
+  }
+  try {
+    for (size_t i = 0; i < kRecvBuffers; ++i) PostRecvBuffer(0, NewOp(OpContext::kRecv, 0, 0));
+  } catch (const Error& e) {
+    JAX_MOE_LOG(kError, "posting handshake receives failed: " << e.what());
+  }
+  // Idle policy: spin while anything is in flight or anyone waits (tcp/shm progress is manual, so
+  // data only moves while we poll); otherwise nap with growing sleeps so idle engines cost ~nothing
+  // on small machines. A submission wakes the nap at once.
+  uint64_t idle = 0;
+  auto nap = std::chrono::microseconds(20);
+  while (!stop_.load(std::memory_order_relaxed)) {
+    bool work = false;
+    try {
+      work |= DrainSubmissions();
+      work |= PostPending();
+      work |= PollAll();
+    } catch (const std::exception& e) {
+      JAX_MOE_LOG(kError, "progress thread: " << e.what());
+    }
+    if (work) {
+      idle = 0;
+      nap = std::chrono::microseconds(20);
+      continue;
+    }
+    ++idle;
+    const bool hot = options_.busy_poll || !backlog_.empty() || !pending_sends_.empty() ||
+                     writes_completed_.load() < writes_posted_.load() || imms_.waiters() > 0 ||
+                     active_waiters_.load() > 0;
+    if (hot || idle < 200) {
+      if ((idle & 15) == 0) sched_yield();  // share the core with the waiter and other processes
+      continue;
+    }
+    std::unique_lock<std::mutex> lock(sq_mu_);
+    sq_cv_.wait_for(lock, nap, [&] { return sq_nonempty_.load() || stop_.load(); });
+    nap = std::min(nap * 2, std::chrono::microseconds(1000));
+  }
+}
+
+}  // namespace jax_moe::fabric

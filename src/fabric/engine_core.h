@@ -1,0 +1,163 @@
+// Internals of TransferEngine: peer table, handshake, progress thread. Not a public header.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "fabric/backend.h"
+#include "fabric/imm_counter.h"
+#include "fabric/peer_group.h"
+#include "fabric/transfer_engine.h"
+#include "fabric/wire.h"
+
+namespace jax_moe::fabric {
+
+// Completion state of a call run on the progress thread (engine_core.cc).
+struct CallState;
+
+// Per-operation context handed to the provider; recycled through a free list on the progress thread.
+struct OpContext {
+  OpContextStorage storage;  // must stay first: providers write into it
+  enum Kind { kWrite, kSend, kRecv } kind = kWrite;
+  uint32_t peer = 0;
+  int nic = 0;
+  std::string buffer;  // message bytes for kSend / kRecv
+};
+
+struct PeerState {
+  uint32_t id = 0;
+  uint64_t nonce = 0;
+  std::string address;  // serialized EngineAddress
+  std::string label;
+  std::vector<uint64_t> dest;  // handle per local NIC
+  int nic = 0;                 // local NIC used for this peer's writes
+  int remote_nic = 0;          // the peer's NIC those writes land on
+  int remote_num_nics = 1;
+  uint32_t remote_slot = 0;    // what the peer calls us (stamped into immediates)
+  bool ready = false;          // handshake done
+  std::atomic<bool> failed{false};
+  std::string failure;         // guarded by EngineCore::mu_
+  std::atomic<int64_t> in_flight{0};
+};
+
+class EngineCore : public std::enable_shared_from_this<EngineCore> {
+ public:
+  explicit EngineCore(const EngineOptions& options);
+  ~EngineCore();
+  void Start();
+  void Close();
+
+  const std::string& address() const { return address_; }
+  Backend& backend() { return *backend_; }
+  int num_nics() const { return num_nics_; }
+
+  std::shared_ptr<MemoryRegion> Register(void* ptr, uint64_t nbytes, int device);
+  void Deregister(uint64_t id);
+  uint32_t Connect(const std::string& address, double timeout_s);
+  uint32_t CreateGroup(const std::vector<uint32_t>& peers, const std::vector<RegionDescriptor>& regions);
+  size_t GroupSize(uint32_t group) const;
+  // src == nullptr with zero_byte: a barrier.
+  void Scatter(uint32_t group, const MemoryRegion* src, const uint64_t* src_offsets, const uint64_t* lengths,
+               const uint64_t* dst_offsets, size_t n, std::optional<uint32_t> imm, bool zero_byte);
+  void Write(uint32_t peer, const MemoryRegion& src, uint64_t src_offset, uint64_t length,
+             const RegionDescriptor& dst, uint64_t dst_offset, std::optional<uint32_t> imm);
+  void WaitImm(uint32_t imm, uint64_t count, double timeout_s);
+  void WaitImmFrom(uint32_t imm, const std::vector<uint32_t>& peers, double timeout_s);
+  void WaitSends(double timeout_s);
+  std::vector<PeerInfo> Peers() const;
+  EngineStats Stats() const;
+
+ private:
+  struct RegionEntry {
+    std::unique_ptr<BackendRegion> region;
+  };
+  struct PendingWrite {
+    WriteRequest req;  // req.context is attached on the progress thread just before posting
+    int nic;
+    uint32_t peer;
+  };
+  struct PendingCall {
+    std::function<void()> fn;
+    std::shared_ptr<CallState> state;
+  };
+  struct PendingSend {
+    int nic;
+    uint64_t dest;
+    OpContext* op;
+  };
+
+  void CheckOpen() const;
+  // Runs `fn` on the progress thread and waits for it (registration, AV inserts). Rethrows its error.
+  void RunOnProgress(std::function<void()> fn);
+  void Submit(std::vector<PendingWrite>&& writes);
+  void ProgressLoop();
+  bool DrainSubmissions();
+  bool PostPending();
+  bool PollAll();
+  void OnCompletion(int nic, const Completion& c);
+  void OnMessage(int nic, const std::string& bytes);
+  void SendHandshake(PeerState& peer, Handshake::Type type);
+  PeerState& FindOrAddPeerLocked(const EngineAddress& addr, const std::string& raw);  // progress thread
+  void FailPeer(uint32_t peer, const std::string& why);
+  OpContext* NewOp(OpContext::Kind kind, uint32_t peer, int nic);
+  void FreeOp(OpContext* op);
+  void PostRecvBuffer(int nic, OpContext* op);
+  std::string PeerLabel(uint32_t peer) const;  // takes mu_
+  std::string PeerListLocked(const std::vector<uint32_t>& peers) const;
+  void WriteDone(OpContext* op, bool ok);
+
+  EngineOptions options_;
+  std::unique_ptr<Backend> backend_;
+  int num_nics_ = 1;
+  uint64_t nonce_ = 0;
+  std::string address_;
+
+  mutable std::mutex mu_;  // peers_, groups_, regions_
+  std::condition_variable peers_cv_;
+  std::vector<std::unique_ptr<PeerState>> peers_;
+  std::unordered_map<uint64_t, uint32_t> peer_by_nonce_;
+  std::vector<std::unique_ptr<PeerGroup>> groups_;
+  std::unordered_map<uint64_t, RegionEntry> regions_;
+  uint64_t next_region_id_ = 1;
+  uint64_t next_key_ = 1;
+
+  // Submission queue: callers append under sq_mu_, the progress thread swaps the vectors out.
+  std::mutex sq_mu_;
+  std::condition_variable sq_cv_;
+  std::vector<PendingWrite> sq_writes_;
+  std::vector<PendingCall> sq_calls_;
+  std::atomic<bool> sq_nonempty_{false};
+
+  // Progress-thread-only state.
+  std::deque<PendingWrite> backlog_;
+  std::deque<PendingSend> pending_sends_;
+  std::vector<std::unique_ptr<OpContext>> all_ops_;
+  std::vector<OpContext*> free_ops_;
+  std::vector<Completion> completions_;
+  std::vector<ImmCounter::Arrival> arrivals_;
+
+  ImmCounter imms_;
+  std::atomic<uint64_t> writes_posted_{0};
+  std::atomic<uint64_t> writes_completed_{0};
+  std::atomic<uint64_t> write_errors_{0};
+  std::vector<std::atomic<uint64_t>> imms_per_nic_;
+  std::mutex sends_mu_;
+  std::condition_variable sends_cv_;
+
+  std::atomic<int> active_waiters_{0};  // threads in Connect/WaitSends: keep the progress thread hot
+  uint64_t errors_reported_ = 0;        // guarded by sends_mu_
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> closed_{false};
+  std::thread thread_;
+};
+
+}  // namespace jax_moe::fabric

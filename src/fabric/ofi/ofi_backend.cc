@@ -1,0 +1,314 @@
+// libfabric backend: one fabric/domain/AV/CQ/RDM endpoint per NIC, writes with remote CQ data.
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_rma.h>
+
+#include <cstring>
+#include <map>
+#include <set>
+#include <unordered_map>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "fabric/backend.h"
+#include "fabric/ofi/ofi_util.h"
+
+namespace jax_moe::fabric {
+namespace ofi {
+namespace {
+
+constexpr uint64_t kMrModeWeHandle =
+    FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT | FI_MR_HMEM;
+
+struct InfoDeleter {
+  void operator()(fi_info* i) const { fi_freeinfo(i); }
+};
+using InfoPtr = std::unique_ptr<fi_info, InfoDeleter>;
+
+std::string LibfabricName(const std::string& provider) {
+  if (provider == "tcp") return "tcp;ofi_rxm";
+  return provider;  // "efa", "shm"
+}
+
+InfoPtr GetInfo(const std::string& provider, bool want_hmem) {
+  InfoPtr hints(fi_allocinfo());
+  if (!hints) Throw(ErrorCode::kInternal, "fi_allocinfo failed");
+  hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV | (want_hmem ? FI_HMEM : 0);
+  hints->mode = FI_CONTEXT | FI_CONTEXT2;  // our op contexts reserve OpContextStorage for the provider
+  hints->ep_attr->type = FI_EP_RDM;
+  hints->domain_attr->mr_mode = static_cast<int>(kMrModeWeHandle);
+  hints->domain_attr->threading = FI_THREAD_DOMAIN;  // only the progress thread touches the domain
+  hints->fabric_attr->prov_name = strdup(LibfabricName(provider).c_str());
+  if (provider == "tcp") hints->addr_format = FI_SOCKADDR_IN;
+  fi_info* info = nullptr;
+  int rc = fi_getinfo(FI_VERSION(1, 17), nullptr, nullptr, 0, hints.get(), &info);
+  if (rc != 0 || info == nullptr) {
+    Throw(ErrorCode::kUnavailable, "fi_getinfo(provider=" + LibfabricName(provider) + (want_hmem ? ", FI_HMEM" : "") +
+                                       "): " + fi_strerror(-rc));
+  }
+  return InfoPtr(info);
+}
+
+struct OfiRegion : BackendRegion {
+  std::vector<Fid<fid_mr>> mrs;
+};
+
+class OfiBackend final : public Backend {
+ public:
+  OfiBackend(const std::string& provider, int num_nics) : provider_(provider) {
+    InfoPtr list;
+    try {
+      list = GetInfo(provider, /*want_hmem=*/provider == "efa");
+    } catch (const Error&) {
+      list = GetInfo(provider, false);
+    }
+    // efa: one NIC per distinct device. tcp/shm: several endpoints on the same device.
+    std::vector<fi_info*> devices;
+    std::set<std::string> seen;
+    for (fi_info* i = list.get(); i != nullptr; i = i->next) {
+      if (i->domain_attr->cq_data_size < 4) continue;
+      if ((i->domain_attr->mr_mode & ~static_cast<int>(kMrModeWeHandle)) != 0 && i->domain_attr->mr_mode != FI_MR_BASIC) {
+        continue;  // e.g. FI_MR_RAW keys we cannot carry
+      }
+      if (seen.insert(i->domain_attr->name).second) devices.push_back(i);
+    }
+    if (devices.empty()) {
+      Throw(ErrorCode::kUnavailable, "provider " + provider + ": no domain with 4-byte CQ data and usable mr_mode");
+    }
+    if (provider != "efa") devices.resize(1);
+    for (int n = 0; n < num_nics; ++n) Open(devices[n % devices.size()]);
+    const fi_info* info = nics_[0]->info.get();
+    mr_mode_ = info->domain_attr->mr_mode == FI_MR_BASIC ? (FI_MR_VIRT_ADDR | FI_MR_PROV_KEY | FI_MR_ALLOCATED)
+                                                         : static_cast<uint64_t>(info->domain_attr->mr_mode);
+    max_msg_ = info->ep_attr->max_msg_size;
+    hmem_ = (info->caps & FI_HMEM) != 0;
+    JAX_MOE_LOG(kInfo, "ofi: provider " << info->fabric_attr->prov_name << ", domain " << info->domain_attr->name
+                                        << ", mr_mode 0x" << std::hex << mr_mode_ << std::dec << ", NICs " << num_nics);
+  }
+
+  ~OfiBackend() override {
+    for (auto& kv : msg_mrs_) fi_close(&kv.second->fid);
+  }
+
+  std::string provider() const override { return provider_; }
+  int num_nics() const override { return static_cast<int>(nics_.size()); }
+  std::string NicAddress(int nic) const override { return nics_[nic]->address; }
+  bool remote_virt_addr() const override { return (mr_mode_ & FI_MR_VIRT_ADDR) != 0; }
+  uint64_t max_write_bytes() const override { return max_msg_; }
+  bool supports_device_memory() const override { return hmem_; }
+
+  std::string FormatAddress(int nic, const std::string& raw) const override {
+    char buf[256];
+    size_t len = sizeof(buf);
+    fi_av_straddr(nics_[nic]->av.get(), raw.data(), buf, &len);
+    return provider_ + " " + std::string(buf, strnlen(buf, sizeof(buf)));
+  }
+
+  std::unique_ptr<BackendRegion> Register(void* ptr, uint64_t nbytes, int device) override {
+    auto region = std::make_unique<OfiRegion>();
+    for (auto& nic : nics_) {
+      iovec iov{ptr, nbytes};
+      fi_mr_attr attr{};
+      attr.mr_iov = &iov;
+      attr.iov_count = 1;
+      attr.access = FI_WRITE | FI_REMOTE_WRITE | FI_READ | FI_REMOTE_READ | FI_SEND | FI_RECV;
+      attr.requested_key = next_key_++;  // unique per domain when the provider does not pick keys
+      if (device >= 0) {
+        attr.iface = FI_HMEM_CUDA;
+        attr.device.cuda = device;
+      } else {
+        attr.iface = FI_HMEM_SYSTEM;
+      }
+      Fid<fid_mr> mr;
+      Check(fi_mr_regattr(nic->domain.get(), &attr, 0, mr.out()), "fi_mr_regattr");
+      if (mr_mode_ & FI_MR_ENDPOINT) {
+        Check(fi_mr_bind(mr.get(), &nic->ep->fid, 0), "fi_mr_bind");
+        Check(fi_mr_enable(mr.get()), "fi_mr_enable");
+      }
+      region->keys.push_back(fi_mr_key(mr.get()));
+      region->descs.push_back(fi_mr_desc(mr.get()));
+      region->mrs.push_back(std::move(mr));
+    }
+    return region;
+  }
+
+  uint64_t AddPeer(int nic, const std::string& raw) override {
+    fi_addr_t addr = FI_ADDR_NOTAVAIL;
+    int rc = fi_av_insert(nics_[nic]->av.get(), raw.data(), 1, &addr, 0, nullptr);
+    if (rc != 1) Throw(ErrorCode::kInvalidArgument, "fi_av_insert: " + std::string(fi_strerror(rc < 0 ? -rc : FI_EINVAL)));
+    return addr;
+  }
+
+  size_t PostWrites(int nic, const WriteRequest* writes, size_t n) override {
+    fid_ep* ep = nics_[nic]->ep.get();
+    for (size_t i = 0; i < n; ++i) {
+      const WriteRequest& w = writes[i];
+      iovec iov{const_cast<void*>(w.local), w.length};
+      void* desc = w.local_desc;
+      fi_rma_iov rma{w.remote_addr, w.length, w.rkey};
+      fi_msg_rma msg{};
+      msg.msg_iov = &iov;
+      msg.desc = &desc;
+      msg.iov_count = 1;
+      msg.addr = w.dest;
+      msg.rma_iov = &rma;
+      msg.rma_iov_count = 1;
+      msg.context = w.context;
+      msg.data = w.imm;
+      ssize_t rc = fi_writemsg(ep, &msg, FI_COMPLETION | (w.has_imm ? FI_REMOTE_CQ_DATA : 0));
+      if (rc == -FI_EAGAIN) return i;
+      Check(rc, "fi_writemsg");
+    }
+    return n;
+  }
+
+  bool PostSend(int nic, uint64_t dest, const void* buf, size_t len, void* context) override {
+    ssize_t rc = fi_send(nics_[nic]->ep.get(), buf, len, MsgDesc(nic, buf, len, FI_SEND, context), dest, context);
+    if (rc == -FI_EAGAIN) return false;
+    Check(rc, "fi_send");
+    return true;
+  }
+
+  void PostRecv(int nic, void* buf, size_t len, void* context) override {
+    void* desc = MsgDesc(nic, buf, len, FI_RECV, nullptr);
+    for (;;) {
+      ssize_t rc = fi_recv(nics_[nic]->ep.get(), buf, len, desc, FI_ADDR_UNSPEC, context);
+      if (rc != -FI_EAGAIN) {
+        Check(rc, "fi_recv");
+        return;
+      }
+      fi_cq_data_entry e;
+      fi_cq_read(nics_[nic]->cq.get(), &e, 0);  // drive progress, then retry
+    }
+  }
+
+  size_t Poll(int nic, std::vector<Completion>* out, size_t max) override {
+    fid_cq* cq = nics_[nic]->cq.get();
+    fi_cq_data_entry entries[64];
+    ssize_t rc = fi_cq_read(cq, entries, std::min<size_t>(max, 64));
+    if (rc == -FI_EAGAIN) return 0;
+    if (rc == -FI_EAVAIL) {
+      fi_cq_err_entry err{};
+      ssize_t erc = fi_cq_readerr(cq, &err, 0);
+      if (erc < 0) return 0;
+      Completion c;
+      c.kind = Completion::kError;
+      c.context = err.op_context;
+      const char* prov = fi_cq_strerror(cq, err.prov_errno, err.err_data, nullptr, 0);
+      c.error = std::string("completion error: ") + fi_strerror(err.err) + (prov ? std::string(" (") + prov + ")" : "");
+      ReleaseMsgDesc(err.op_context);
+      out->push_back(std::move(c));
+      return 1;
+    }
+    Check(rc, "fi_cq_read");
+    for (ssize_t i = 0; i < rc; ++i) {
+      const fi_cq_data_entry& e = entries[i];
+      Completion c;
+      if ((e.flags & FI_REMOTE_CQ_DATA) && (e.flags & (FI_REMOTE_WRITE | FI_RMA)) && !(e.flags & FI_MSG)) {
+        c.kind = Completion::kImm;
+        c.imm = static_cast<uint32_t>(e.data);
+      } else if (e.flags & FI_RECV) {
+        c.kind = Completion::kRecvDone;
+        c.context = e.op_context;
+        c.length = e.len;
+      } else if (e.flags & FI_SEND) {
+        c.kind = Completion::kSendDone;
+        c.context = e.op_context;
+        ReleaseMsgDesc(e.op_context);
+      } else {
+        c.kind = Completion::kWriteDone;
+        c.context = e.op_context;
+      }
+      out->push_back(c);
+    }
+    return static_cast<size_t>(rc);
+  }
+
+ private:
+  struct Nic {
+    InfoPtr info;
+    Fid<fid_fabric> fabric;
+    Fid<fid_domain> domain;
+    Fid<fid_av> av;
+    Fid<fid_cq> cq;
+    Fid<fid_ep> ep;
+    std::string address;
+    ~Nic() {
+      // Endpoint first, then what it is bound to.
+      ep.reset();
+      av.reset();
+      cq.reset();
+      domain.reset();
+      fabric.reset();
+    }
+  };
+
+  void Open(const fi_info* device) {
+    auto nic = std::make_unique<Nic>();
+    nic->info.reset(fi_dupinfo(device));
+    fi_info* info = nic->info.get();
+    Check(fi_fabric(info->fabric_attr, nic->fabric.out(), nullptr), "fi_fabric");
+    Check(fi_domain(nic->fabric.get(), info, nic->domain.out(), nullptr), "fi_domain");
+    fi_av_attr av_attr{};
+    av_attr.type = FI_AV_TABLE;
+    Check(fi_av_open(nic->domain.get(), &av_attr, nic->av.out(), nullptr), "fi_av_open");
+    fi_cq_attr cq_attr{};
+    cq_attr.format = FI_CQ_FORMAT_DATA;
+    cq_attr.wait_obj = FI_WAIT_NONE;
+    cq_attr.size = 4096;
+    Check(fi_cq_open(nic->domain.get(), &cq_attr, nic->cq.out(), nullptr), "fi_cq_open");
+    Check(fi_endpoint(nic->domain.get(), info, nic->ep.out(), nullptr), "fi_endpoint");
+    Check(fi_ep_bind(nic->ep.get(), &nic->av->fid, 0), "fi_ep_bind(av)");
+    Check(fi_ep_bind(nic->ep.get(), &nic->cq->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
+    Check(fi_enable(nic->ep.get()), "fi_enable");
+    char name[256];
+    size_t len = sizeof(name);
+    Check(fi_getname(&nic->ep->fid, name, &len), "fi_getname");
+    nic->address.assign(name, len);
+    nics_.push_back(std::move(nic));
+  }
+
+  // Control-message buffers need a registration only when the provider asks for FI_MR_LOCAL (efa).
+  void* MsgDesc(int nic, const void* buf, size_t len, uint64_t access, void* send_context) {
+    if (!(mr_mode_ & FI_MR_LOCAL)) return nullptr;
+    auto key = std::make_pair(const_cast<void*>(buf), nic);
+    auto it = msg_mrs_.find(key);
+    if (it == msg_mrs_.end()) {
+      fid_mr* mr = nullptr;
+      Check(fi_mr_reg(nics_[nic]->domain.get(), buf, len, access, 0, next_key_++, 0, &mr, nullptr), "fi_mr_reg(msg)");
+      it = msg_mrs_.emplace(key, mr).first;
+    }
+    if (send_context != nullptr) send_mrs_[send_context] = key;
+    return fi_mr_desc(it->second);
+  }
+  void ReleaseMsgDesc(void* send_context) {
+    auto it = send_mrs_.find(send_context);
+    if (it == send_mrs_.end()) return;
+    auto mit = msg_mrs_.find(it->second);
+    if (mit != msg_mrs_.end()) {
+      fi_close(&mit->second->fid);
+      msg_mrs_.erase(mit);
+    }
+    send_mrs_.erase(it);
+  }
+
+  std::string provider_;
+  std::vector<std::unique_ptr<Nic>> nics_;
+  uint64_t mr_mode_ = 0;
+  uint64_t max_msg_ = 0;
+  bool hmem_ = false;
+  uint64_t next_key_ = 1;
+  std::map<std::pair<void*, int>, fid_mr*> msg_mrs_;
+  std::unordered_map<void*, std::pair<void*, int>> send_mrs_;
+};
+
+}  // namespace
+}  // namespace ofi
+
+std::unique_ptr<Backend> OpenOfiBackend(const std::string& provider, int num_nics) {
+  return std::make_unique<ofi::OfiBackend>(provider, num_nics);
+}
+
+}  // namespace jax_moe::fabric

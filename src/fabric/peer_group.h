@@ -1,0 +1,42 @@
+// Write templates of a peer group: everything about a member's write that does not change between
+// calls (NIC, peer handle, remote key, remote base, immediate's sender slot) is resolved once when the
+// group is created; Patch() fills in the per-call fields. Pure logic, no transport calls.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "fabric/backend.h"
+#include "fabric/descriptor.h"
+
+namespace jax_moe::fabric {
+
+struct WriteTemplate {
+  uint32_t peer = 0;
+  int nic = 0;
+  WriteRequest req;        // dest, rkey, remote_addr (region base or 0) prefilled
+  uint32_t imm_slot = 0;   // sender slot the receiver knows us by
+  uint64_t remote_size = 0;
+};
+
+// Fills the per-call fields of `t` into `out`; bounds are checked by the caller.
+inline void PatchWrite(const WriteTemplate& t, const void* src_base, void* local_desc, uint64_t src_offset,
+                       uint64_t length, uint64_t dst_offset, std::optional<uint32_t> imm, void* context,
+                       WriteRequest* out) {
+  *out = t.req;
+  out->local = static_cast<const char*>(src_base) + src_offset;
+  out->length = length;
+  out->local_desc = local_desc;
+  out->remote_addr = t.req.remote_addr + dst_offset;
+  out->has_imm = imm.has_value();
+  out->imm = imm ? ((t.imm_slot << 20) | (*imm & 0xfffff)) : 0;
+  out->context = context;
+}
+
+struct PeerGroup {
+  std::vector<uint32_t> members;
+  std::vector<RegionDescriptor> regions;
+  std::vector<WriteTemplate> templates;
+};
+
+}  // namespace jax_moe::fabric

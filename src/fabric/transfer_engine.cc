@@ -1,0 +1,73 @@
+#include "fabric/transfer_engine.h"
+
+#include "common/error.h"
+#include "fabric/engine_core.h"
+
+namespace jax_moe::fabric {
+
+MemoryRegion::~MemoryRegion() {
+  if (auto core = core_.lock()) {
+    try {
+      core->Deregister(id_);
+    } catch (...) {
+      // Destructors must not throw; a failed deregistration only leaks until the engine closes.
+    }
+  }
+}
+
+TransferEngine::TransferEngine(const EngineOptions& options) : core_(std::make_shared<EngineCore>(options)) {
+  core_->Start();
+}
+
+TransferEngine::~TransferEngine() { Close(); }
+
+std::string TransferEngine::Address() const { return core_->address(); }
+std::string TransferEngine::provider() const {
+  return EngineAddress::Parse(core_->address()).provider;
+}
+int TransferEngine::num_nics() const { return core_->num_nics(); }
+
+std::shared_ptr<MemoryRegion> TransferEngine::Register(void* ptr, uint64_t nbytes, int device) {
+  return core_->Register(ptr, nbytes, device);
+}
+
+PeerId TransferEngine::Connect(const std::string& address, double timeout_s) {
+  return core_->Connect(address, timeout_s);
+}
+
+GroupId TransferEngine::CreatePeerGroup(const std::vector<PeerId>& peers,
+                                        const std::vector<RegionDescriptor>& regions) {
+  return core_->CreateGroup(peers, regions);
+}
+
+size_t TransferEngine::GroupSize(GroupId group) const { return core_->GroupSize(group); }
+
+void TransferEngine::Scatter(GroupId group, const MemoryRegion& src, const uint64_t* src_offsets,
+                             const uint64_t* lengths, const uint64_t* dst_offsets, size_t n,
+                             std::optional<uint32_t> imm) {
+  core_->Scatter(group, &src, src_offsets, lengths, dst_offsets, n, imm, /*zero_byte=*/false);
+}
+
+void TransferEngine::Barrier(GroupId group, uint32_t imm) {
+  core_->Scatter(group, nullptr, nullptr, nullptr, nullptr, core_->GroupSize(group), imm, /*zero_byte=*/true);
+}
+
+void TransferEngine::Write(PeerId peer, const MemoryRegion& src, uint64_t src_offset, uint64_t length,
+                           const RegionDescriptor& dst, uint64_t dst_offset, std::optional<uint32_t> imm) {
+  core_->Write(peer, src, src_offset, length, dst, dst_offset, imm);
+}
+
+void TransferEngine::WaitImm(uint32_t imm, uint64_t count, double timeout_s) { core_->WaitImm(imm, count, timeout_s); }
+
+void TransferEngine::WaitImmFrom(uint32_t imm, const std::vector<PeerId>& peers, double timeout_s) {
+  core_->WaitImmFrom(imm, peers, timeout_s);
+}
+
+void TransferEngine::WaitSends(double timeout_s) { core_->WaitSends(timeout_s); }
+
+std::vector<PeerInfo> TransferEngine::Peers() const { return core_->Peers(); }
+EngineStats TransferEngine::Stats() const { return core_->Stats(); }
+
+void TransferEngine::Close() { core_->Close(); }
+
+}  // namespace jax_moe::fabric

@@ -1,0 +1,138 @@
+// TransferEngine: one-sided RDMA writes with 32-bit immediates between processes, over libfabric
+// (efa, tcp, shm) or libibverbs. This is the API the host proxy and the Python binding use.
+//
+// Typical use (every process):
+//   TransferEngine eng({.provider = "tcp", .num_nics = 1});
+//   auto mr = eng.Register(buf, nbytes);                 // host memory (device >= 0: CUDA memory)
+//   publish(eng.Address(), mr->descriptor().Serialize()); // out of band (files, a store, MPI...)
+//   PeerId p = eng.Connect(peer_address, /*timeout_s=*/30);   // blocking handshake
+//   GroupId g = eng.CreatePeerGroup({p, q}, {RegionDescriptor::Parse(dp), RegionDescriptor::Parse(dq)});
+//   eng.Scatter(g, *mr, src_offsets, lengths, dst_offsets, /*imm=*/7);  // one write per member
+//   eng.WaitImm(7, /*count=*/2, /*timeout_s=*/5);        // the writes of 2 peers to *us* landed
+//   eng.WaitSends(5);                                    // our own writes completed: buffer reusable
+//
+// Semantics
+// - Immediates: the receiver of a write with imm v gets v counted once the data is in its memory.
+//   v must be <= kMaxUserImm (20 bits, see imm.h). WaitImm(v, k) consumes k of them; surplus stays
+//   banked (a fast peer's next round is not lost). WaitImmFrom(v, peers) needs one from each peer.
+// - Ordering: none between writes, even to the same peer. Use an immediate per write that matters.
+// - Threads: all methods are thread-safe. Posting is asynchronous: the calling thread validates and
+//   patches templates, then hands the batch to the engine's progress thread (a mutex-guarded vector
+//   swap). Buffers must stay untouched until WaitSends() returns.
+// - Safety: every write is bounds-checked against the local region and the remote descriptor before
+//   it is posted (Error kInvalidArgument); descriptors must come from the peer they are used with.
+// - Failure: every wait takes a timeout and throws Error(kTimeout) naming the peers that did not
+//   answer; a transfer error marks the peer failed and later operations on it throw kPeerFailed.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fabric/descriptor.h"
+#include "fabric/imm.h"
+
+namespace jax_moe::fabric {
+
+using PeerId = uint32_t;
+using GroupId = uint32_t;
+
+struct EngineOptions {
+  std::string provider = "auto";  // "auto" (efa, verbs, shm, tcp), "efa", "verbs", "tcp", "shm"
+  int num_nics = 1;               // domains opened; a group's peers are sharded over them
+  int progress_cpu = -1;          // pin the progress thread to this core (-1: no pinning)
+  bool busy_poll = false;         // never nap when idle (lowest latency, burns a core)
+};
+
+class EngineCore;
+
+// A registered buffer. Deregisters itself when the last reference goes; call WaitSends() first if
+// writes from it may still be in flight.
+class MemoryRegion {
+ public:
+  ~MemoryRegion();
+  MemoryRegion(const MemoryRegion&) = delete;
+  MemoryRegion& operator=(const MemoryRegion&) = delete;
+
+  void* data() const { return ptr_; }
+  uint64_t size() const { return size_; }
+  int device() const { return device_; }
+  // What peers need to write into this region (send Serialize() to them).
+  const RegionDescriptor& descriptor() const { return descriptor_; }
+
+ private:
+  friend class EngineCore;
+  MemoryRegion() = default;
+  std::weak_ptr<EngineCore> core_;
+  uint64_t id_ = 0;
+  void* ptr_ = nullptr;
+  uint64_t size_ = 0;
+  int device_ = -1;
+  RegionDescriptor descriptor_;
+};
+
+struct PeerInfo {
+  PeerId id;
+  std::string label;  // "peer 3 (tcp 10.0.0.2:41234)"
+  int nic;            // local NIC carrying this peer's writes
+  bool failed;
+  std::string failure;
+};
+
+struct EngineStats {
+  uint64_t writes_posted = 0;
+  uint64_t writes_completed = 0;
+  uint64_t write_errors = 0;
+  std::vector<uint64_t> imms_per_nic;  // immediates received on each NIC
+};
+
+class TransferEngine {
+ public:
+  explicit TransferEngine(const EngineOptions& options = {});
+  ~TransferEngine();  // Close()
+  TransferEngine(const TransferEngine&) = delete;
+  TransferEngine& operator=(const TransferEngine&) = delete;
+
+  // Serialized engine address (every NIC's endpoint); give it to peers for Connect().
+  std::string Address() const;
+  std::string provider() const;
+  int num_nics() const;
+
+  std::shared_ptr<MemoryRegion> Register(void* ptr, uint64_t nbytes, int device = -1);
+
+  // Handshake with the engine at `address` (idempotent; a peer that connected to us first is
+  // returned without a round trip). Throws kTimeout / kPeerFailed / kInvalidArgument.
+  PeerId Connect(const std::string& address, double timeout_s = 30.0);
+
+  // Fixes an ordered member list and one remote region per member; write templates are built here.
+  GroupId CreatePeerGroup(const std::vector<PeerId>& peers, const std::vector<RegionDescriptor>& regions);
+  size_t GroupSize(GroupId group) const;
+
+  // One write per member i: src[src_offsets[i], +lengths[i]) -> member i's region at dst_offsets[i].
+  // Zero-length entries still carry the immediate (a "nothing for you" signal) when imm is set.
+  void Scatter(GroupId group, const MemoryRegion& src, const uint64_t* src_offsets, const uint64_t* lengths,
+               const uint64_t* dst_offsets, size_t n, std::optional<uint32_t> imm);
+  // A zero-byte write with immediate `imm` to every member.
+  void Barrier(GroupId group, uint32_t imm);
+  void Write(PeerId peer, const MemoryRegion& src, uint64_t src_offset, uint64_t length,
+             const RegionDescriptor& dst, uint64_t dst_offset, std::optional<uint32_t> imm);
+
+  // Waits until `count` immediates `imm` arrived (from anyone) and consumes them.
+  void WaitImm(uint32_t imm, uint64_t count, double timeout_s);
+  // Waits until each peer in `peers` delivered one immediate `imm` and consumes one from each.
+  void WaitImmFrom(uint32_t imm, const std::vector<PeerId>& peers, double timeout_s);
+  // Waits until every write posted so far completed; throws naming peers whose writes failed or hang.
+  void WaitSends(double timeout_s);
+
+  std::vector<PeerInfo> Peers() const;
+  EngineStats Stats() const;
+  // Stops the progress thread and releases every resource; later calls throw kClosed. Idempotent.
+  void Close();
+
+ private:
+  std::shared_ptr<EngineCore> core_;
+};
+
+}  // namespace jax_moe::fabric

@@ -1,0 +1,182 @@
+// `jax_moe._core.fabric`: the TransferEngine for Python. jax_moe/fabric.py wraps it with input checks
+// (numpy arrays, dtypes) and is the public surface; this file only converts types and errors.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+
+#include "common/error.h"
+#include "fabric/transfer_engine.h"
+#include "python/registry.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace jax_moe::py {
+namespace {
+
+using fabric::MemoryRegion;
+using fabric::RegionDescriptor;
+using fabric::TransferEngine;
+using Offsets = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+nb::bytes ToBytes(const std::string& s) { return nb::bytes(s.data(), s.size()); }
+std::string FromBytes(const nb::bytes& b) { return std::string(b.c_str(), b.size()); }
+
+struct Region {
+  std::shared_ptr<MemoryRegion> mr;
+};
+
+std::vector<uint64_t> Unsigned(const Offsets& a, const char* name) {
+  std::vector<uint64_t> out(a.shape(0));
+  for (size_t i = 0; i < out.size(); ++i) {
+    int64_t v = a.data()[i];
+    Require(v >= 0, std::string(name) + "[" + std::to_string(i) + "] is negative");
+    out[i] = static_cast<uint64_t>(v);
+  }
+  return out;
+}
+
+class Engine {
+ public:
+  Engine(const std::string& provider, int num_nics, int progress_cpu, bool busy_poll) {
+    fabric::EngineOptions o;
+    o.provider = provider;
+    o.num_nics = num_nics;
+    o.progress_cpu = progress_cpu;
+    o.busy_poll = busy_poll;
+    eng_ = std::make_unique<TransferEngine>(o);
+  }
+  TransferEngine& e() {
+    if (!eng_) Throw(ErrorCode::kClosed, "TransferEngine is closed");
+    return *eng_;
+  }
+  void Close() {
+    if (eng_) eng_->Close();
+  }
+
+ private:
+  std::unique_ptr<TransferEngine> eng_;
+};
+
+void TranslateErrors() {
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const Error& e) {
+      PyObject* type = PyExc_RuntimeError;
+      switch (e.code()) {
+        case ErrorCode::kInvalidArgument: type = PyExc_ValueError; break;
+        case ErrorCode::kTimeout: type = PyExc_TimeoutError; break;
+        case ErrorCode::kPeerFailed: type = PyExc_ConnectionError; break;
+        default: break;
+      }
+      PyErr_SetString(type, e.what());
+    }
+  });
+}
+
+void RegisterFabric(nb::module_& m) {
+  nb::module_ f = m.def_submodule("fabric", "TransferEngine: RDMA writes with immediates (libfabric/ibverbs)");
+  TranslateErrors();
+  f.attr("MAX_IMM") = fabric::kMaxUserImm;
+  f.attr("MAX_PEERS") = fabric::kMaxPeers;
+
+  nb::class_<Region>(f, "MemoryRegion")
+      .def("descriptor", [](const Region& r) { return ToBytes(r.mr->descriptor().Serialize()); })
+      .def_prop_ro("ptr", [](const Region& r) { return reinterpret_cast<uintptr_t>(r.mr->data()); })
+      .def_prop_ro("nbytes", [](const Region& r) { return r.mr->size(); })
+      .def_prop_ro("device", [](const Region& r) { return r.mr->device(); });
+
+  nb::class_<Engine>(f, "Engine")
+      .def(nb::init<const std::string&, int, int, bool>(), "provider"_a = "auto", "num_nics"_a = 1,
+           "progress_cpu"_a = -1, "busy_poll"_a = false, nb::call_guard<nb::gil_scoped_release>())
+      .def("address", [](Engine& s) { return ToBytes(s.e().Address()); })
+      .def_prop_ro("provider", [](Engine& s) { return s.e().provider(); })
+      .def_prop_ro("num_nics", [](Engine& s) { return s.e().num_nics(); })
+      .def("register_ptr",
+           [](Engine& s, uintptr_t ptr, uint64_t nbytes, int device) {
+             nb::gil_scoped_release nogil;
+             return Region{s.e().Register(reinterpret_cast<void*>(ptr), nbytes, device)};
+           },
+           "ptr"_a, "nbytes"_a, "device"_a = -1)
+      .def("connect",
+           [](Engine& s, nb::bytes address, double timeout_s) {
+             std::string a = FromBytes(address);
+             nb::gil_scoped_release nogil;
+             return s.e().Connect(a, timeout_s);
+           },
+           "address"_a, "timeout_s"_a = 30.0)
+      .def("peer_group",
+           [](Engine& s, const std::vector<uint32_t>& peers, const std::vector<nb::bytes>& descriptors) {
+             std::vector<RegionDescriptor> regions;
+             for (const auto& d : descriptors) regions.push_back(RegionDescriptor::Parse(FromBytes(d)));
+             nb::gil_scoped_release nogil;
+             return s.e().CreatePeerGroup(peers, regions);
+           },
+           "peers"_a, "descriptors"_a)
+      .def("group_size", [](Engine& s, uint32_t g) { return s.e().GroupSize(g); })
+      .def("scatter",
+           [](Engine& s, uint32_t g, const Region& r, Offsets src, Offsets len, Offsets dst, std::optional<uint32_t> imm) {
+             Require(src.shape(0) == len.shape(0) && len.shape(0) == dst.shape(0),
+                     "scatter: src_offsets, lengths and dst_offsets must have the same length");
+             auto so = Unsigned(src, "src_offsets"), ln = Unsigned(len, "lengths"), dof = Unsigned(dst, "dst_offsets");
+             nb::gil_scoped_release nogil;
+             s.e().Scatter(g, *r.mr, so.data(), ln.data(), dof.data(), so.size(), imm);
+           },
+           "group"_a, "region"_a, "src_offsets"_a, "lengths"_a, "dst_offsets"_a, "imm"_a.none())
+      .def("barrier", [](Engine& s, uint32_t g, uint32_t imm) { s.e().Barrier(g, imm); }, "group"_a, "imm"_a,
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("write",
+           [](Engine& s, uint32_t peer, const Region& r, uint64_t src_offset, uint64_t length, nb::bytes descriptor,
+              uint64_t dst_offset, std::optional<uint32_t> imm) {
+             RegionDescriptor d = RegionDescriptor::Parse(FromBytes(descriptor));
+             nb::gil_scoped_release nogil;
+             s.e().Write(peer, *r.mr, src_offset, length, d, dst_offset, imm);
+           },
+           "peer"_a, "region"_a, "src_offset"_a, "length"_a, "descriptor"_a, "dst_offset"_a, "imm"_a.none() = nb::none())
+      .def("wait_imm",
+           [](Engine& s, uint32_t imm, uint64_t count, double timeout_s) { s.e().WaitImm(imm, count, timeout_s); },
+           "imm"_a, "count"_a, "timeout_s"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("wait_imm_from",
+           [](Engine& s, uint32_t imm, const std::vector<uint32_t>& peers, double timeout_s) {
+             nb::gil_scoped_release nogil;
+             s.e().WaitImmFrom(imm, peers, timeout_s);
+           },
+           "imm"_a, "peers"_a, "timeout_s"_a)
+      .def("wait_sends", [](Engine& s, double timeout_s) { s.e().WaitSends(timeout_s); }, "timeout_s"_a,
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("peers",
+           [](Engine& s) {
+             nb::list out;
+             for (const auto& p : s.e().Peers()) {
+               nb::dict d;
+               d["id"] = p.id;
+               d["label"] = p.label;
+               d["nic"] = p.nic;
+               d["failed"] = p.failed;
+               d["failure"] = p.failure;
+               out.append(d);
+             }
+             return out;
+           })
+      .def("stats",
+           [](Engine& s) {
+             auto st = s.e().Stats();
+             nb::dict d;
+             d["writes_posted"] = st.writes_posted;
+             d["writes_completed"] = st.writes_completed;
+             d["write_errors"] = st.write_errors;
+             d["imms_per_nic"] = st.imms_per_nic;
+             return d;
+           })
+      .def("close", &Engine::Close, nb::call_guard<nb::gil_scoped_release>());
+}
+
+}  // namespace
+}  // namespace jax_moe::py
+
+JAX_MOE_PY_REGISTER(fabric, jax_moe::py::RegisterFabric);
