@@ -29,6 +29,7 @@ constexpr size_t kRecvBuffers = 32;
 constexpr size_t kRecvBytes = 16384;
 constexpr size_t kPostBatch = 64;
 constexpr size_t kPollBatch = 64;
+constexpr double kControlTimeoutSeconds = 30.0;  // descriptor checks (peer_group has no timeout argument)
 
 uint64_t MakeNonce() {
   std::random_device rd;
@@ -152,6 +153,7 @@ std::shared_ptr<MemoryRegion> EngineCore::Register(void* ptr, uint64_t nbytes, i
   std::lock_guard<std::mutex> lock(mu_);
   mr->id_ = next_region_id_++;
   regions_[mr->id_].region = std::move(br);
+  regions_[mr->id_].descriptor = mr->descriptor_;
   return mr;
 }
 
@@ -210,6 +212,99 @@ void EngineCore::SendHandshake(PeerState& peer, Handshake::Type type) {
   pending_sends_.push_back({0, peer.dest[0], op});
 }
 
+void EngineCore::SendControl(uint32_t peer, Handshake::Type type, uint32_t id, const std::string& blob) {
+  Handshake h;
+  h.type = type;
+  h.sender_nonce = nonce_;
+  h.your_slot = id;
+  h.sender_address = address_;
+  h.blob = blob;
+  uint64_t dest;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    dest = peers_[peer]->dest[0];
+  }
+  OpContext* op = NewOp(OpContext::kSend, peer, 0);
+  op->buffer = h.Serialize();
+  pending_sends_.push_back({0, dest, op});
+}
+
+std::string EngineCore::CheckOwnDescriptor(const std::string& bytes) const {
+  RegionDescriptor d;
+  try {
+    d = RegionDescriptor::Parse(bytes);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  if (d.owner != nonce_) return "descriptor names another engine";
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& kv : regions_) {
+    const RegionDescriptor& mine = kv.second.descriptor;
+    if (mine.base == d.base && mine.size == d.size && mine.flags == d.flags && mine.keys == d.keys) return "";
+  }
+  return "no live registered region matches (base 0x" + [&] {
+    std::ostringstream os;
+    os << std::hex << d.base;
+    return os.str();
+  }() + ", " + std::to_string(d.size) + " bytes)";
+}
+
+void EngineCore::VerifyDescriptors(const std::vector<uint32_t>& peers, const std::vector<RegionDescriptor>& regions) {
+  std::vector<uint32_t> ids;
+  std::vector<size_t> index;
+  std::vector<std::string> blobs;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < peers.size(); ++i) {
+      std::string blob = regions[i].Serialize();
+      if (verified_.count({peers[i], blob})) continue;
+      uint32_t id = next_verify_id_++;
+      verify_requests_[id].peer = peers[i];
+      ids.push_back(id);
+      index.push_back(i);
+      blobs.push_back(std::move(blob));
+    }
+  }
+  if (ids.empty()) return;
+  RunOnProgress([&] {
+    for (size_t k = 0; k < ids.size(); ++k) SendControl(peers[index[k]], Handshake::kVerify, ids[k], blobs[k]);
+  });
+  Deadline deadline = Deadline::After(kControlTimeoutSeconds);
+  active_waiters_++;
+  std::unique_lock<std::mutex> lock(mu_);
+  auto all_done = [&] {
+    for (uint32_t id : ids) {
+      const VerifyRequest& r = verify_requests_[id];
+      if (!r.done && !peers_[r.peer]->failed) return false;
+    }
+    return true;
+  };
+  peers_cv_.wait_until(lock, deadline.at(), [&] { return all_done() || closed_; });
+  active_waiters_--;
+  std::vector<uint32_t> silent;
+  std::string rejected;
+  for (size_t k = 0; k < ids.size(); ++k) {
+    VerifyRequest r = verify_requests_[ids[k]];
+    verify_requests_.erase(ids[k]);
+    if (!r.done) {
+      silent.push_back(r.peer);
+    } else if (!r.rejection.empty()) {
+      if (rejected.empty()) {
+        rejected = "descriptor " + std::to_string(index[k]) + " rejected by its owner " + PeerListLocked({r.peer}) +
+                   ": " + r.rejection;
+      }
+    } else {
+      verified_.insert({r.peer, blobs[k]});
+    }
+  }
+  if (closed_) Throw(ErrorCode::kClosed, "TransferEngine is closed");
+  if (!rejected.empty()) Throw(ErrorCode::kInvalidArgument, rejected);
+  if (!silent.empty()) {
+    Throw(ErrorCode::kTimeout, "descriptor check: no answer within " + FormatSeconds(kControlTimeoutSeconds) +
+                                   " from " + PeerListLocked(silent));
+  }
+}
+
 uint32_t EngineCore::Connect(const std::string& address, double timeout_s) {
   CheckOpen();
   EngineAddress addr = EngineAddress::Parse(address);
@@ -247,6 +342,28 @@ void EngineCore::OnMessage(int nic, const std::string& bytes) {
   EngineAddress addr;
   try {
     h = Handshake::Parse(bytes.data(), bytes.size());
+    if (h.type == Handshake::kVerify || h.type == Handshake::kVerifyReply) {
+      uint32_t peer;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = peer_by_nonce_.find(h.sender_nonce);
+        Require(it != peer_by_nonce_.end(), "descriptor check from an unknown engine");
+        peer = it->second;
+        if (h.type == Handshake::kVerifyReply) {
+          auto r = verify_requests_.find(h.your_slot);
+          if (r != verify_requests_.end() && r->second.peer == peer) {
+            r->second.done = true;
+            r->second.rejection = h.blob;
+          }
+        }
+      }
+      if (h.type == Handshake::kVerify) {
+        SendControl(peer, Handshake::kVerifyReply, h.your_slot, CheckOwnDescriptor(h.blob));
+      } else {
+        peers_cv_.notify_all();
+      }
+      return;
+    }
     addr = EngineAddress::Parse(h.sender_address);
     Require(addr.nonce == h.sender_nonce, "handshake: sender nonce does not match its address");
     Require(addr.provider == backend_->provider(), "handshake: provider mismatch");
@@ -331,6 +448,18 @@ uint32_t EngineCore::CreateGroup(const std::vector<uint32_t>& peers, const std::
   Require(peers.size() == regions.size(), "peer_group: " + std::to_string(peers.size()) + " peers but " +
                                               std::to_string(regions.size()) + " descriptors");
   Require(std::set<uint32_t>(peers.begin(), peers.end()).size() == peers.size(), "peer_group: duplicate peer");
+  {
+    // Cheap checks first, then ask the owners (a round trip, once per descriptor and peer).
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < peers.size(); ++i) {
+      Require(peers[i] < peers_.size() && peers_[peers[i]]->ready,
+              "peer_group: unknown peer " + std::to_string(peers[i]) + " (connect() it first)");
+      Require(regions[i].owner == peers_[peers[i]]->nonce, "peer_group: descriptor " + std::to_string(i) +
+                                                               " was not registered by " + peers_[peers[i]]->label +
+                                                               " (forged or mismatched)");
+    }
+  }
+  VerifyDescriptors(peers, regions);
   auto group = std::make_unique<PeerGroup>();
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < peers.size(); ++i) {
@@ -419,6 +548,13 @@ void EngineCore::Write(uint32_t peer, const MemoryRegion& src, uint64_t src_offs
                        const RegionDescriptor& dst, uint64_t dst_offset, std::optional<uint32_t> imm) {
   CheckOpen();
   if (imm) Require(*imm <= kMaxUserImm, "imm must be in [0, " + std::to_string(kMaxUserImm) + "]");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Require(peer < peers_.size() && peers_[peer]->ready, "write: unknown peer " + std::to_string(peer));
+    Require(dst.owner == peers_[peer]->nonce,
+            "write: descriptor was not registered by " + peers_[peer]->label + " (forged or mismatched)");
+  }
+  VerifyDescriptors({peer}, {dst});
   std::vector<PendingWrite> writes(1);
   {
     std::lock_guard<std::mutex> lock(mu_);

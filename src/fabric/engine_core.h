@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -55,6 +56,7 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   ~EngineCore();
   void Start();
   void Close();
+  void CheckOpen() const;  // throws kClosed
 
   const std::string& address() const { return address_; }
   Backend& backend() { return *backend_; }
@@ -79,6 +81,12 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
  private:
   struct RegionEntry {
     std::unique_ptr<BackendRegion> region;
+    RegionDescriptor descriptor;
+  };
+  struct VerifyRequest {
+    uint32_t peer = 0;
+    bool done = false;
+    std::string rejection;  // empty when the owner confirmed the descriptor
   };
   struct PendingWrite {
     WriteRequest req;  // req.context is attached on the progress thread just before posting
@@ -95,7 +103,6 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
     OpContext* op;
   };
 
-  void CheckOpen() const;
   // Runs `fn` on the progress thread and waits for it (registration, AV inserts). Rethrows its error.
   void RunOnProgress(std::function<void()> fn);
   void Submit(std::vector<PendingWrite>&& writes);
@@ -106,6 +113,11 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   void OnCompletion(int nic, const Completion& c);
   void OnMessage(int nic, const std::string& bytes);
   void SendHandshake(PeerState& peer, Handshake::Type type);
+  void SendControl(uint32_t peer, Handshake::Type type, uint32_t id, const std::string& blob);  // progress thread
+  // Asks each descriptor's owner to confirm it names a live region (cached per peer). Throws
+  // kInvalidArgument naming the descriptor the owner rejected, kTimeout naming owners that did not answer.
+  void VerifyDescriptors(const std::vector<uint32_t>& peers, const std::vector<RegionDescriptor>& regions);
+  std::string CheckOwnDescriptor(const std::string& bytes) const;  // "" when valid; takes mu_
   PeerState& FindOrAddPeerLocked(const EngineAddress& addr, const std::string& raw);  // progress thread
   void FailPeer(uint32_t peer, const std::string& why);
   OpContext* NewOp(OpContext::Kind kind, uint32_t peer, int nic);
@@ -129,6 +141,9 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   std::unordered_map<uint64_t, RegionEntry> regions_;
   uint64_t next_region_id_ = 1;
   uint64_t next_key_ = 1;
+  std::unordered_map<uint32_t, VerifyRequest> verify_requests_;
+  uint32_t next_verify_id_ = 1;
+  std::set<std::pair<uint32_t, std::string>> verified_;  // (peer, serialized descriptor)
 
   // Submission queue: callers append under sq_mu_, the progress thread swaps the vectors out.
   std::mutex sq_mu_;

@@ -21,7 +21,10 @@ TransferEngine::TransferEngine(const EngineOptions& options) : core_(std::make_s
 
 TransferEngine::~TransferEngine() { Close(); }
 
-std::string TransferEngine::Address() const { return core_->address(); }
+std::string TransferEngine::Address() const {
+  core_->CheckOpen();
+  return core_->address();
+}
 std::string TransferEngine::provider() const {
   return EngineAddress::Parse(core_->address()).provider;
 }

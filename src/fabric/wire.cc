@@ -69,7 +69,7 @@ Handshake Handshake::Parse(const void* data, size_t size) {
   Require(r.Get<uint16_t>() == kVersion, what + "unsupported version");
   Handshake h;
   uint8_t t = r.Get<uint8_t>();
-  Require(t == kHello || t == kAck, what + "bad type");
+  Require(t >= kHello && t <= kVerifyReply, what + "bad type");
   h.type = static_cast<Type>(t);
   h.sender_nonce = r.Get<uint64_t>();
   h.your_slot = r.Get<uint32_t>();

@@ -1,0 +1,191 @@
+"""TransferEngine in one process: input checking, errors, immediates, the pure helpers."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import AVAILABLE
+
+fabric = pytest.importorskip("jax_moe.fabric")
+from jax_moe import _core  # noqa: E402
+
+T = _core.fabric._testing
+needs_tcp = pytest.mark.skipif("tcp" not in AVAILABLE, reason="libfabric tcp provider not available")
+
+
+# --- pure helpers ---------------------------------------------------------------------------------
+
+def test_imm_bit_layout():
+    assert fabric.MAX_IMM == (1 << 20) - 1
+    assert fabric.MAX_PEERS == 4096
+    imm = T.imm_encode(4095, fabric.MAX_IMM)
+    assert imm == 0xFFFFFFFF
+    assert T.imm_decode(T.imm_encode(7, 12345)) == (7, 12345)
+
+
+def test_descriptor_roundtrip_and_validation():
+    d = T.descriptor_serialize(0xABC, 0x1000, 4096, 0, [11, 22])
+    assert T.descriptor_parse(d) == {"owner": 0xABC, "base": 0x1000, "size": 4096, "flags": 0, "keys": [11, 22]}
+    bad = bytearray(d)
+    bad[0] ^= 1
+    with pytest.raises(ValueError, match="magic"):
+        T.descriptor_parse(bytes(bad))
+    bad = bytearray(d)
+    bad[4] = 9
+    with pytest.raises(ValueError, match="version"):
+        T.descriptor_parse(bytes(bad))
+    with pytest.raises(ValueError, match="length"):
+        T.descriptor_parse(d[:-1])
+    with pytest.raises(ValueError, match="length"):
+        T.descriptor_parse(d + b"\0")
+    bad = bytearray(d)
+    bad[24] ^= 1  # size field
+    with pytest.raises(ValueError, match="checksum"):
+        T.descriptor_parse(bytes(bad))
+    with pytest.raises(ValueError, match="empty"):
+        T.descriptor_parse(T.descriptor_serialize(1, 0x1000, 0, 0, [1]))
+    with pytest.raises(ValueError, match="wraps"):
+        T.descriptor_parse(T.descriptor_serialize(1, 2**64 - 10, 100, 0, [1]))
+    with pytest.raises(ValueError, match="NIC count"):
+        T.descriptor_parse(T.descriptor_serialize(1, 0x1000, 10, 0, []))
+
+
+def test_imm_counter_banks_early_rounds():
+    c = T.ImmCounter()
+    # Round k+1 of peer 0 lands before round k of peer 1 was consumed.
+    c.add(5, 0)
+    c.add(5, 0)
+    c.add(6, 1)
+    assert c.banked(5) == 2
+    ok, seen = c.wait(5, 3, 0.05)
+    assert not ok and seen == {0: 2}
+    c.add(5, 1)
+    assert c.wait(5, 2, 1.0)[0]  # takes one from each source first
+    assert c.banked(5) == 1
+    ok, missing = c.wait_from(5, [0, 1], 0.05)
+    assert not ok and missing == [1]  # peer 0's banked one is there, peer 1 owes one
+    c.add(5, 1)
+    assert c.wait_from(5, [0, 1], 1.0)[0]
+    assert c.banked(5) == 0 and c.banked(6) == 1
+
+
+def test_imm_counter_wakes_waiter():
+    c = T.ImmCounter()
+    result = {}
+    th = threading.Thread(target=lambda: result.setdefault("r", c.wait(9, 2, 5.0)))
+    th.start()
+    time.sleep(0.05)
+    c.add(9, 3)
+    c.add(9, 4)
+    th.join(5.0)
+    assert result["r"][0]
+
+
+# --- one process, two engines -----------------------------------------------------------------------
+
+@pytest.fixture
+def pair():
+    if "tcp" not in AVAILABLE:
+        pytest.skip("libfabric tcp provider not available")
+    a, b = fabric.TransferEngine("tcp"), fabric.TransferEngine("tcp")
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_unknown_provider():
+    with pytest.raises(ValueError, match="unknown provider"):
+        fabric.TransferEngine("nope")
+    with pytest.raises(ValueError):
+        fabric.TransferEngine("tcp", num_nics=0)
+
+
+def test_register_rejects_bad_arrays(pair):
+    a, _ = pair
+    with pytest.raises(ValueError, match="contiguous"):
+        a.register(np.zeros((8, 8), np.float32)[:, ::2])
+    ro = np.zeros(16, np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        a.register(ro)
+    with pytest.raises(ValueError, match="numpy"):
+        a.register(bytearray(10))
+    with pytest.raises(ValueError, match="empty"):
+        a.register(np.zeros(0, np.uint8))
+    with pytest.raises(ValueError):
+        a.register_ptr(0, 10)
+    mr = a.register(np.zeros((4, 4), np.float32))
+    assert mr.nbytes == 64 and len(mr.descriptor()) == 52
+
+
+def test_write_scatter_barrier_and_errors(pair):
+    a, b = pair
+    src = np.arange(4096, dtype=np.uint8)
+    dst = np.zeros(8192, np.uint8)
+    ma, mb = a.register(src), b.register(dst)
+    p = a.connect(b.address(), 10)
+    assert a.connect(b.address(), 10) == p  # idempotent
+    q = b.connect(a.address(), 10)          # b already knows a from the handshake
+    g = a.peer_group([p], [mb.descriptor()])
+
+    a.write(p, ma, 10, 100, mb.descriptor(), 500, imm=3)
+    b.wait_imm(3, 1, 5)
+    assert np.array_equal(dst[500:600], src[10:110])
+    a.scatter(g, ma, np.array([0]), np.array([4096]), np.array([4096]), 4)
+    b.wait_imm(4, 1, 5)
+    assert np.array_equal(dst[4096:], src)
+    a.barrier(g, 8)
+    b.wait_imm(8, 1, 5)
+    a.wait_sends(5)
+
+    # Bad input never reaches the wire.
+    with pytest.raises(ValueError, match="group has 1"):
+        a.scatter(g, ma, [0, 0], [1, 1], [0, 0], 1)
+    with pytest.raises(ValueError, match="outside the remote region"):
+        a.scatter(g, ma, [0], [100], [8150], 1)
+    with pytest.raises(ValueError, match="outside the source region"):
+        a.scatter(g, ma, [4000], [100], [0], 1)
+    with pytest.raises(ValueError, match="negative"):
+        a.scatter(g, ma, [-1], [1], [0], 1)
+    with pytest.raises(ValueError, match="integers"):
+        a.scatter(g, ma, [0.5], [1], [0], 1)
+    with pytest.raises(ValueError, match="imm"):
+        a.scatter(g, ma, [0], [1], [0], fabric.MAX_IMM + 1)
+    with pytest.raises(ValueError, match="unknown peer group"):
+        a.barrier(17, 1)
+    with pytest.raises(ValueError, match="registered with this engine"):
+        b.write(q, ma, 0, 1, a.register(np.zeros(8, np.uint8)).descriptor(), 0)
+    with pytest.raises(ValueError, match="descriptors"):
+        a.peer_group([p], [])
+    with pytest.raises(ValueError, match="unknown peer"):
+        a.peer_group([42], [mb.descriptor()])
+
+    # Timeouts name the silent peer.
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"peer {q} "):
+        b.wait_imm(77, 1, 0.2)
+    assert time.monotonic() - t0 < 2
+    with pytest.raises(TimeoutError, match="missing"):
+        b.wait_imm_from(77, [q], 0.1)
+    assert a.stats()["write_errors"] == 0
+
+
+def test_connect_bad_address(pair):
+    a, _ = pair
+    with pytest.raises(ValueError, match="engine address"):
+        a.connect(b"not an address", 1)
+    with pytest.raises(ValueError):
+        a.connect("str is not bytes", 1)
+
+
+def test_closed_engine_raises(pair):
+    a, _ = pair
+    a.close()
+    a.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        a.address()
+    with pytest.raises(RuntimeError, match="closed"):
+        a.register(np.zeros(8, np.uint8))
+    with pytest.raises(RuntimeError, match="closed"):
+        a.wait_imm(1, 1, 0.1)
