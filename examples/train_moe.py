@@ -87,8 +87,8 @@ def main() -> None:
     print(f"devices: {ep} x {DEVICES[0].platform}, jax_moe backend {backend!r}, {n_params / 1e6:.2f}M params, "
           f"{len(train) / 1e6:.2f}M train / {len(val) / 1e6:.2f}M val characters")
 
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(20, args.steps), max(args.steps, 1),
-                                                  args.lr * 0.1)
+    warmup = min(20, args.steps // 4)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, max(args.steps, warmup + 1), args.lr * 0.1)
     optimizer = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, 0.9, 0.95,
                                                                                              weight_decay=0.01)),
                               wrt=nnx.Param)

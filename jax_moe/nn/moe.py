@@ -112,10 +112,10 @@ class MoE(nnx.Module):
         ep = P(axis_name, None, None)
         with jax.set_mesh(mesh):  # eager sharding: experts split over the axis, everything else replicated
             self.router = nnx.Param(_normal(rngs, (hidden, num_experts), 0.02, jnp.float32))
-            self.w_in = nnx.Param(_normal(rngs, (num_experts, hidden, ffn), hidden ** -0.5, dtype), sharding=ep, mesh=mesh)
-            self.w_up = (nnx.Param(_normal(rngs, (num_experts, hidden, ffn), hidden ** -0.5, dtype), sharding=ep, mesh=mesh)
+            self.w_in = nnx.Param(_normal(rngs, (num_experts, hidden, ffn), hidden ** -0.5, dtype), out_sharding=ep, mesh=mesh)
+            self.w_up = (nnx.Param(_normal(rngs, (num_experts, hidden, ffn), hidden ** -0.5, dtype), out_sharding=ep, mesh=mesh)
                          if activation == "swiglu" else None)
-            self.w_out = nnx.Param(_normal(rngs, (num_experts, ffn, hidden), ffn ** -0.5, dtype), sharding=ep, mesh=mesh)
+            self.w_out = nnx.Param(_normal(rngs, (num_experts, ffn, hidden), ffn ** -0.5, dtype), out_sharding=ep, mesh=mesh)
             self.shared = DenseFFN(hidden, shared_ffn, activation, dtype, rngs) if shared_ffn else None
 
     @property
