@@ -57,8 +57,9 @@ class Backend {
   virtual bool supports_device_memory() const = 0;
 
   virtual std::unique_ptr<BackendRegion> Register(void* ptr, uint64_t nbytes, int device) = 0;
-  // Makes a peer NIC address reachable from local NIC `nic`; returns the handle used in WriteRequest::dest.
-  virtual uint64_t AddPeer(int nic, const std::string& raw_address) = 0;
+  // Makes engine peer `peer`'s NIC address reachable from local NIC `nic`; returns the handle used in
+  // WriteRequest::dest and PostSend.
+  virtual uint64_t AddPeer(int nic, uint32_t peer, const std::string& raw_address) = 0;
   // Transport connection data exchanged in the handshake (verbs: RC QPs). Empty for libfabric RDM.
   virtual std::string LocalConnectBlob(uint32_t peer) { return {}; }
   virtual void AcceptConnectBlob(uint32_t peer, const std::string& blob) {}

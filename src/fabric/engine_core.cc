@@ -29,6 +29,7 @@ constexpr size_t kRecvBuffers = 32;
 constexpr size_t kRecvBytes = 16384;
 constexpr size_t kPostBatch = 64;
 constexpr size_t kPollBatch = 64;
+constexpr std::chrono::milliseconds kHelloResend(500);
 constexpr double kControlTimeoutSeconds = 30.0;  // descriptor checks (peer_group has no timeout argument)
 
 uint64_t MakeNonce() {
@@ -192,7 +193,7 @@ PeerState& EngineCore::FindOrAddPeerLocked(const EngineAddress& addr, const std:
   p->nic = static_cast<int>(p->id % num_nics_);
   p->remote_nic = p->nic % p->remote_num_nics;
   for (int i = 0; i < num_nics_; ++i) {
-    p->dest.push_back(backend_->AddPeer(i, addr.nics[i % p->remote_num_nics]));
+    p->dest.push_back(backend_->AddPeer(i, p->id, addr.nics[i % p->remote_num_nics]));
   }
   p->label = "peer " + std::to_string(p->id) + " (" + backend_->FormatAddress(0, addr.nics[0]) + ")";
   peer_by_nonce_[addr.nonce] = p->id;
@@ -320,7 +321,10 @@ uint32_t EngineCore::Connect(const std::string& address, double timeout_s) {
     std::lock_guard<std::mutex> lock(mu_);
     PeerState& p = FindOrAddPeerLocked(addr, address);
     id = p.id;
-    if (!p.ready) SendHandshake(p, Handshake::kHello);
+    if (!p.ready) {
+      SendHandshake(p, Handshake::kHello);
+      hello_resend_.push_back({p.id, std::chrono::steady_clock::now() + kHelloResend});
+    }
   });
   Deadline deadline = Deadline::After(timeout_s);
   active_waiters_++;
@@ -826,6 +830,24 @@ void EngineCore::OnCompletion(int nic, const Completion& c) {
   }
 }
 
+void EngineCore::ResendHellos() {
+  const auto now = std::chrono::steady_clock::now();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < hello_resend_.size();) {
+    PeerState& p = *peers_[hello_resend_[i].first];
+    if (p.ready || p.failed) {
+      hello_resend_[i] = hello_resend_.back();
+      hello_resend_.pop_back();
+      continue;
+    }
+    if (now >= hello_resend_[i].second) {
+      SendHandshake(p, Handshake::kHello);
+      hello_resend_[i].second = now + kHelloResend;
+    }
+    ++i;
+  }
+}
+
 void EngineCore::ProgressLoop() {
   if (options_.progress_cpu >= 0) {
     cpu_set_t set;
@@ -850,6 +872,7 @@ void EngineCore::ProgressLoop() {
       work |= DrainSubmissions();
       work |= PostPending();
       work |= PollAll();
+      if (!hello_resend_.empty()) ResendHellos();
     } catch (const std::exception& e) {
       JAX_MOE_LOG(kError, "progress thread: " << e.what());
     }

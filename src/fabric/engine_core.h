@@ -1,6 +1,7 @@
 // Internals of TransferEngine: peer table, handshake, progress thread. Not a public header.
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -110,6 +111,7 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   bool DrainSubmissions();
   bool PostPending();
   bool PollAll();
+  void ResendHellos();
   void OnCompletion(int nic, const Completion& c);
   void OnMessage(int nic, const std::string& bytes);
   void SendHandshake(PeerState& peer, Handshake::Type type);
@@ -155,6 +157,8 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   // Progress-thread-only state.
   std::deque<PendingWrite> backlog_;
   std::deque<PendingSend> pending_sends_;
+  // Hellos are resent until answered: the verbs backend carries them over unreliable UD.
+  std::vector<std::pair<uint32_t, std::chrono::steady_clock::time_point>> hello_resend_;
   std::vector<std::unique_ptr<OpContext>> all_ops_;
   std::vector<OpContext*> free_ops_;
   std::vector<Completion> completions_;

@@ -134,7 +134,7 @@ class OfiBackend final : public Backend {
     return region;
   }
 
-  uint64_t AddPeer(int nic, const std::string& raw) override {
+  uint64_t AddPeer(int nic, uint32_t peer, const std::string& raw) override {
     fi_addr_t addr = FI_ADDR_NOTAVAIL;
     int rc = fi_av_insert(nics_[nic]->av.get(), raw.data(), 1, &addr, 0, nullptr);
     if (rc != 1) Throw(ErrorCode::kInvalidArgument, "fi_av_insert: " + std::string(fi_strerror(rc < 0 ? -rc : FI_EINVAL)));
