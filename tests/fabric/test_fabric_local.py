@@ -189,3 +189,12 @@ def test_closed_engine_raises(pair):
         a.register(np.zeros(8, np.uint8))
     with pytest.raises(RuntimeError, match="closed"):
         a.wait_imm(1, 1, 0.1)
+
+
+@needs_tcp
+def test_bench_smoke(capsys):
+    from jax_moe.bench import fabric as bench
+
+    assert bench.main(["--providers", "tcp", "--peers", "2", "--sizes", "8K", "--warmup", "1", "--iters", "3",
+                       "--timeout", "60"]) == 0
+    assert "8 KB" in capsys.readouterr().out

@@ -1,0 +1,167 @@
+"""`python -m jax_moe.bench fabric`: TransferEngine scatter latency and bandwidth on localhost.
+
+One sender scatters `size` bytes to each of N peers (one write per peer, imm 1); every peer waits for
+its immediate and answers with a zero-byte write (imm 2); the sender's clock stops when all N answers
+are in. Latency is that round (p50/p99 over the timed rounds, after warm-up); bandwidth is N * size /
+p50. Peers are separate processes that exchange addresses through files in a temporary directory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+DEFAULT_SIZES = "8K,64K,512K,4M"
+WAIT = 30.0
+
+
+def _parse_size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    return int(s[:-1] if s[-1:] in "KMG" else s) * mult
+
+
+def _fmt_size(n: int) -> str:
+    for unit, m in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= m and n % m == 0:
+            return f"{n // m} {unit}B"
+    return f"{n} B"
+
+
+def _publish(d, name, data: bytes):
+    tmp = os.path.join(d, f".{name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.rename(tmp, os.path.join(d, name))
+
+
+def _fetch(d, name, timeout=60.0) -> bytes:
+    path = os.path.join(d, name)
+    end = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            raise TimeoutError(f"bench: {name} did not appear within {timeout}s")
+        time.sleep(0.005)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _rounds_for(size: int, warmup: int, iters: int) -> tuple[int, int]:
+    # Fewer rounds for the largest sizes keep the whole suite within a couple of minutes on 2 cores.
+    if size >= (1 << 22):
+        return max(2, warmup // 4), max(10, iters // 4)
+    if size >= (1 << 19):
+        return max(2, warmup // 2), max(20, iters // 2)
+    return warmup, iters
+
+
+def _worker(d: str, rank: int, peers: int, provider: str, sizes: list[int], warmup: int, iters: int) -> None:
+    from jax_moe import fabric
+
+    eng = fabric.TransferEngine(provider)
+    biggest = max(sizes)
+    if rank == 0:
+        buf = np.random.default_rng(0).integers(0, 256, peers * biggest, dtype=np.uint8)
+    else:
+        buf = np.zeros(biggest, np.uint8)
+    mr = eng.register(buf)
+    _publish(d, f"addr.{rank}", eng.address())
+    _publish(d, f"desc.{rank}", mr.descriptor())
+    if rank == 0:
+        ids = [eng.connect(_fetch(d, f"addr.{r}"), WAIT) for r in range(1, peers + 1)]
+        g = eng.peer_group(ids, [_fetch(d, f"desc.{r}") for r in range(1, peers + 1)])
+        results = []
+        for size in sizes:
+            w, n = _rounds_for(size, warmup, iters)
+            src = np.arange(peers, dtype=np.int64) * size
+            lengths = np.full(peers, size, np.int64)
+            dst = np.zeros(peers, np.int64)
+            times = []
+            for r in range(w + n):
+                t0 = time.perf_counter()
+                eng.scatter(g, mr, src, lengths, dst, 1)
+                eng.wait_imm(2, peers, WAIT)
+                t1 = time.perf_counter()
+                eng.wait_sends(WAIT)
+                if r >= w:
+                    times.append(t1 - t0)
+            t = np.array(times)
+            p50, p99 = float(np.percentile(t, 50)), float(np.percentile(t, 99))
+            results.append({"size": size, "rounds": n, "p50_us": p50 * 1e6, "p99_us": p99 * 1e6,
+                            "gbps": peers * size / p50 / 1e9})
+        _publish(d, "results", json.dumps(results).encode())
+    else:
+        sender = eng.connect(_fetch(d, "addr.0"), WAIT)
+        g = eng.peer_group([sender], [_fetch(d, "desc.0")])
+        for size in sizes:
+            w, n = _rounds_for(size, warmup, iters)
+            for _ in range(w + n):
+                eng.wait_imm(1, 1, WAIT)
+                eng.barrier(g, 2)
+        eng.wait_sends(WAIT)
+        _fetch(d, "results", 120)  # keep the endpoint alive until the sender is done
+    eng.close()
+
+
+def _run(provider: str, peers: int, sizes: list[int], warmup: int, iters: int, timeout: float) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="jax_moe_bench_") as d:
+        cmd = [sys.executable, "-m", "jax_moe.bench.fabric", "--worker", d]
+        procs = []
+        try:
+            for rank in range(peers + 1):
+                procs.append(subprocess.Popen(cmd + [str(rank), str(peers), provider, ",".join(map(str, sizes)),
+                                                     str(warmup), str(iters)]))
+            end = time.monotonic() + timeout
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() > end or any(p.poll() not in (None, 0) for p in procs):
+                    raise RuntimeError(f"bench fabric ({provider}): workers failed or exceeded {timeout}s")
+                time.sleep(0.05)
+            return json.loads(_fetch(d, "results", 1))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(10)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--worker"]:
+        d, rank, peers, provider, sizes, warmup, iters = argv[1:8]
+        _worker(d, int(rank), int(peers), provider, [int(s) for s in sizes.split(",")], int(warmup), int(iters))
+        return 0
+    ap = argparse.ArgumentParser(prog="python -m jax_moe.bench fabric", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--providers", default="tcp,shm", help="comma-separated libfabric providers")
+    ap.add_argument("--peers", type=int, default=3, help="receivers (processes besides the sender)")
+    ap.add_argument("--sizes", default=DEFAULT_SIZES, help="bytes per peer, e.g. 8K,64K,512K,4M")
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--timeout", type=float, default=300.0, help="per provider, seconds")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+    sizes = [_parse_size(s) for s in args.sizes.split(",")]
+    print(f"TransferEngine scatter round (1 -> {args.peers} peers, ack by zero-byte write), "
+          f"{platform.node()} ({os.cpu_count()} CPUs)")
+    print(f"{'provider':<9}{'per peer':>10}{'rounds':>8}{'p50 us':>11}{'p99 us':>11}{'GB/s':>8}")
+    all_results = {}
+    for provider in args.providers.split(","):
+        res = _run(provider, args.peers, sizes, args.warmup, args.iters, args.timeout)
+        all_results[provider] = res
+        for r in res:
+            print(f"{provider:<9}{_fmt_size(r['size']):>10}{r['rounds']:>8}{r['p50_us']:>11.1f}{r['p99_us']:>11.1f}"
+                  f"{r['gbps']:>8.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(all_results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
