@@ -20,6 +20,14 @@ if TYPE_CHECKING:
     from jax_moe.communicator import Communicator
 
 
+def _per_rank(comm: "Communicator", x: jax.Array) -> jax.Array:
+    """Cotangents of per-rank inputs must vary over the Communicator's axes, like the inputs themselves."""
+    from jax_moe.backends.ffi_call import varying
+
+    axes = (comm.axis_name,) if isinstance(comm.axis_name, str) else comm.axis_name
+    return varying(x, frozenset(axes))
+
+
 def _valid(comm: "Communicator", topk_idx: jax.Array) -> jax.Array:
     from jax_moe.backends.xla import sanitize_topk
 
@@ -72,7 +80,7 @@ def _dispatch_recv_bwd(comm, residuals, cotangents):
     state = comm.backend.combine_send(g_expert_x.astype(comm.cfg.combine_dtype), route, topk_idx)
     ones = jnp.ones(topk_idx.shape, jnp.float32)
     g_x = comm.backend.combine_recv(state, ones, topk_idx).astype(comm.cfg.dispatch_dtype)
-    return g_x, None, None, None
+    return _per_rank(comm, g_x), None, None, None
 
 
 _dispatch_recv.defvjp(_dispatch_recv_fwd, _dispatch_recv_bwd)
@@ -122,7 +130,7 @@ def _combine_recv_bwd(comm, residuals, g_out):
     y = comm.backend.combine_slots(expert_y, route, topk_idx).astype(jnp.float32)
     g_w = jnp.einsum("trh,th->tr", y, g, precision=jax.lax.Precision.HIGHEST)
     g_w = jnp.where(valid, g_w, 0.0).astype(topk_weights.dtype)
-    return g_y, g_w, None, None, None
+    return _per_rank(comm, g_y), _per_rank(comm, g_w), None, None, None
 
 
 _combine_recv.defvjp(_combine_recv_fwd, _combine_recv_bwd)

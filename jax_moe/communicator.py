@@ -27,10 +27,15 @@ class Communicator:
 
     Rank r of the N ranks on the axis owns experts [r*L, (r+1)*L), L = num_experts / N. The methods run per rank,
     inside jax.shard_map over `axis_name`.
+
+    timeout_s: how long a native backend waits for a peer before failing (default 60 s, or $JAX_MOE_TIMEOUT_S).
+    fabric_provider: TransferEngine provider between processes ("auto", "tcp", "shm", "efa", "verbs"; default
+      $JAX_MOE_FABRIC_PROVIDER or "auto").
     """
 
     def __init__(self, cfg: MoEConfig, mesh: Any, axis_name: Union[str, Sequence[str]] = "ep",
-                 backend: str = "auto"):
+                 backend: str = "auto", *, timeout_s: Optional[float] = None,
+                 fabric_provider: Optional[str] = None):
         if not isinstance(cfg, MoEConfig):
             raise TypeError(f"Communicator: cfg must be a jax_moe.MoEConfig, got {type(cfg).__name__}")
         names = getattr(mesh, "axis_names", None)
@@ -55,6 +60,8 @@ class Communicator:
         self.rows_per_peer = cfg.max_tokens * min(cfg.experts_per_token, self.num_local_experts)
         self.id = next(_ids)
         self.platform = _mesh_platform(mesh)
+        self.options = {k: v for k, v in (("timeout_s", timeout_s), ("fabric_provider", fabric_provider))
+                        if v is not None}
         self.backend = backends.resolve(backend, self.platform)(self)
         self._reference_backend: Optional[Any] = None
 

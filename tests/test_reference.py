@@ -15,7 +15,7 @@ import oracle
 from helpers import (bits, check_dispatch, expert_fn, mesh_of, oracle_expert, random_routing, random_tokens, run,
                      split)
 
-BACKENDS = ["xla"]
+BACKENDS = ["xla", "cpu"]
 
 
 def roundtrip(comm, x, idx, w, scale=None, split_halves=False):
@@ -94,11 +94,10 @@ def test_split_halves_equal_one_shot(rng, backend, fp8):
             np.testing.assert_array_equal(bits(a), bits(b))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_out_of_range_ids_are_masked(rng, backend):
+def test_out_of_range_ids_are_masked(rng):
     """Ids outside [0, E) never move data; the reference treats them as masked."""
     n, e, r, hidden, t = 2, 8, 3, 128, 6
-    comm = jax_moe.Communicator(jax_moe.MoEConfig(e, r, hidden, t), mesh_of(n), "ep", backend=backend)
+    comm = jax_moe.Communicator(jax_moe.MoEConfig(e, r, hidden, t), mesh_of(n), "ep", backend="xla")
     x, _ = random_tokens(rng, n * t, hidden, False)
     idx = random_routing(rng, n, t, r, e, mask=0.0)
     bad = idx.copy()
@@ -109,6 +108,19 @@ def test_out_of_range_ids_are_masked(rng, backend):
     for a, b in zip(got, want):
         if a is not None:
             np.testing.assert_array_equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "xla"])
+def test_out_of_range_id_is_an_error(rng, backend):
+    """Native backends report an id outside [0, E) as an error naming it, on every rank, and write nothing."""
+    n, e, r, hidden, t = 4, 8, 2, 128, 3
+    comm = jax_moe.Communicator(jax_moe.MoEConfig(e, r, hidden, t), mesh_of(n), "ep", backend=backend, timeout_s=20)
+    x, _ = random_tokens(rng, n * t, hidden, False)
+    idx = random_routing(rng, n, t, r, e, mask=0.0)
+    idx[t + 1, 1] = 1000  # rank 1, token 1
+    w = rng.random((n * t, r)).astype(np.float32)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="expert id 1000"):
+        jax.block_until_ready(roundtrip(comm, x, idx, w))
 
 
 def test_tuple_axis_name(rng):

@@ -34,7 +34,7 @@ nb::dict BuildInfo() {
   info["cuda_archs"] = nb::none();
 #endif
   nb::list parts;
-  for (const auto& entry : jax_moe::py::Registry()) parts.append(entry.first);
+  for (const auto& entry : jax_moe::py::Registry()) parts.append(nb::str(entry.first.c_str()));
   info["bindings"] = parts;
   return info;
 }

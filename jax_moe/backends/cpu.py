@@ -1,0 +1,165 @@
+"""Backend "cpu": the real dispatch/combine protocol on host memory, as XLA FFI custom calls for platform "cpu".
+
+Ranks of one process exchange rows through shared memory; ranks of other processes through the TransferEngine
+(libfabric tcp/shm). The C++ side (src/cpu, src/proxy) holds one CpuComm per Communicator and process; this module
+sets it up (the bootstrap exchanges engine addresses and buffer descriptors through jax.distributed's key-value
+store) and calls its four halves with jax.ffi.ffi_call.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import weakref
+from typing import TYPE_CHECKING, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moe.backends.base import Backend
+from jax_moe.backends.ffi_call import ffi_call
+
+if TYPE_CHECKING:
+    from jax_moe.communicator import Communicator
+
+_TARGET = "jax_moe_cpu_{}"
+_registered = False
+_lock = threading.Lock()
+SLOT_BITS = 18  # the immediate carries the Communicator slot in 18 bits (src/cpu/imm_kind.h)
+
+
+def _core():
+    from jax_moe import _core
+
+    return _core
+
+
+def _register_targets() -> None:
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        jax.devices()  # the CPU client must exist before CPU FFI targets are registered
+        for name, capsule in _core().cpu.handlers().items():
+            jax.ffi.register_ffi_target(_TARGET.format(name), capsule, platform="cpu")
+        _registered = True
+
+
+def rank_table(mesh, axis_name) -> list[tuple[int, int, int, int]]:
+    """(device id, process, group, rank) for every device of the mesh; rank = position on the EP axes."""
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    names = tuple(mesh.axis_names)
+    others = [a for a in names if a not in axes]
+    devices = np.asarray(mesh.devices)
+    rows = []
+    for index in np.ndindex(devices.shape):
+        coord = dict(zip(names, index))
+        rank = int(np.ravel_multi_index([coord[a] for a in axes], [mesh.shape[a] for a in axes]))
+        group = int(np.ravel_multi_index([coord[a] for a in others], [mesh.shape[a] for a in others])) if others else 0
+        d = devices[index]
+        rows.append((int(d.id), int(d.process_index), group, rank))
+    return rows
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+
+    @staticmethod
+    def unavailable_reason() -> Optional[str]:
+        try:
+            core = _core()
+        except ImportError as e:
+            return f"the native extension jax_moe._core is not built ({e})"
+        if not hasattr(core, "cpu"):
+            return "this build of jax_moe._core has no cpu backend"
+        return None
+
+    def __init__(self, comm: "Communicator"):
+        super().__init__(comm)
+        if comm.platform != "cpu":
+            raise ValueError(f"backend 'cpu' runs on CPU devices, but the mesh holds {comm.platform} devices")
+        _register_targets()
+        cfg = comm.cfg
+        self.slot = comm.id % (1 << SLOT_BITS)
+        self.timeout_s = float(comm.options.get("timeout_s", os.environ.get("JAX_MOE_TIMEOUT_S", 60.0)))
+        self.provider = str(comm.options.get("fabric_provider", os.environ.get("JAX_MOE_FABRIC_PROVIDER", "auto")))
+        self.shape = dict(num_ranks=comm.num_ranks, num_experts=cfg.num_experts, local_experts=comm.num_local_experts,
+                          experts_per_token=cfg.experts_per_token, hidden=cfg.hidden, max_tokens=cfg.max_tokens,
+                          x_itemsize=cfg.dispatch_dtype.itemsize, num_scales=cfg.num_scales)
+        table = rank_table(comm.mesh, comm.axis_name)
+        process = jax.process_index()
+        core = _core()
+        core.cpu.release(self.slot)  # a slot reused after 2**18 Communicators
+        core.cpu.create(self.slot, self.shape, table, process, self.timeout_s, self.provider)
+        weakref.finalize(comm, core.cpu.release, self.slot)
+        processes = sorted({row[1] for row in table})
+        if len(processes) > 1:
+            self._connect(processes, process)
+
+    @property
+    def bytes_allocated(self) -> int:
+        """Host bytes of this process's receive and staging buffers."""
+        return int(_core().cpu.bytes_allocated(self.slot))
+
+    def _connect(self, processes: list[int], process: int) -> None:
+        """Exchanges endpoints with the other processes through the jax.distributed key-value store."""
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        if client is None:
+            raise RuntimeError("backend 'cpu' over several processes needs jax.distributed.initialize()")
+        core = _core()
+        prefix = f"jax_moe/cpu/{self.comm.id}"
+        fingerprint = json.dumps({"shape": self.shape, "axis": str(self.comm.axis_name), "provider": self.provider})
+        mine = [[g, r, a.hex(), d.hex(), c.hex()] for g, r, a, d, c in core.cpu.endpoints(self.slot)]
+        client.key_value_set_bytes(f"{prefix}/{process}", json.dumps({"config": fingerprint, "endpoints": mine}).encode())
+        timeout_ms = int(self.timeout_s * 1000)
+        remote = []
+        for p in processes:
+            if p == process:
+                continue
+            blob = json.loads(client.blocking_key_value_get_bytes(f"{prefix}/{p}", timeout_ms))
+            if blob["config"] != fingerprint:
+                raise ValueError(f"Communicator {self.comm.id}: process {p} built it with another config:\n"
+                                 f"  process {p}: {blob['config']}\n  process {process}: {fingerprint}")
+            remote += [(g, r, bytes.fromhex(a), bytes.fromhex(d), bytes.fromhex(c)) for g, r, a, d, c in
+                       blob["endpoints"]]
+        core.cpu.connect(self.slot, remote)
+        client.wait_at_barrier(f"{prefix}/connected", timeout_ms)
+
+    # --- the four halves ------------------------------------------------------------------------------------------
+    def _call(self, half: str, results, *args):
+        return ffi_call(_TARGET.format(half), results, *args, comm=np.int64(self.slot))
+
+    def dispatch_send(self, x, x_scale, topk_idx):
+        t, r = topk_idx.shape
+        scale = x_scale if x_scale is not None else jnp.zeros((t, 0), jnp.float32)
+        slot, ticket = self._call("dispatch_send", (jax.ShapeDtypeStruct((t * r,), jnp.int32),
+                                                    jax.ShapeDtypeStruct((2,), jnp.int32)), x, scale, topk_idx)
+        return ticket, slot
+
+    def dispatch_recv(self, state):
+        ticket, slot = state
+        cfg, m = self.cfg, self.comm.max_recv_rows
+        expert_x, expert_x_scale, counts, dest = self._call(
+            "dispatch_recv",
+            (jax.ShapeDtypeStruct((m, cfg.hidden), cfg.dispatch_dtype),
+             jax.ShapeDtypeStruct((m, cfg.num_scales), jnp.float32),
+             jax.ShapeDtypeStruct((self.comm.num_local_experts,), jnp.int32),
+             jax.ShapeDtypeStruct((m,), jnp.int32)), ticket)
+        return expert_x, (expert_x_scale if cfg.is_fp8 else None), counts, (slot, dest)
+
+    def combine_send(self, expert_y, route, topk_idx):
+        slot, dest = route
+        ticket = self._call("combine_send", jax.ShapeDtypeStruct((2,), jnp.int32), expert_y, dest)
+        return ticket, slot
+
+    def combine_recv(self, state, topk_weights, topk_idx):
+        ticket, slot = state
+        t = topk_idx.shape[0]
+        return self._call("combine_recv", jax.ShapeDtypeStruct((t, self.cfg.hidden), self.cfg.combine_dtype), ticket,
+                          topk_weights.astype(jnp.float32), slot)
+
+
+__all__ = ["CpuBackend", "rank_table"]

@@ -1,0 +1,178 @@
+#include "ffi/cpu_handlers.h"
+
+#include <string>
+
+#include "common/error.h"
+#include "cpu/cpu_comm.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_moe::ffi_handlers {
+namespace {
+
+ffi::Error ToFfi(const Error& e) {
+  const std::string msg = std::string("jax_moe: ") + e.what();
+  switch (e.code()) {
+    case ErrorCode::kInvalidArgument:
+      return ffi::Error::InvalidArgument(msg);
+    case ErrorCode::kTimeout:
+      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg);
+    case ErrorCode::kPeerFailed:
+    case ErrorCode::kUnavailable:
+    case ErrorCode::kClosed:
+      return ffi::Error(ffi::ErrorCode::kUnavailable, msg);
+    default:
+      return ffi::Error::Internal(msg);
+  }
+}
+
+// Runs `fn(comm)` for the Communicator `slot`, turning every exception into an ffi::Error.
+template <typename Fn>
+ffi::Error WithComm(int64_t slot, Fn&& fn) {
+  auto comm = cpu::FindComm(uint32_t(slot));
+  if (!comm) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "jax_moe: Communicator " + std::to_string(slot) + " is not set up in this process");
+  }
+  try {
+    fn(*comm);
+  } catch (const Error& e) {
+    return ToFfi(e);
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("jax_moe: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
+template <typename B>
+bool HasDims(const B& buffer, std::initializer_list<int64_t> dims) {
+  auto d = buffer.dimensions();
+  if (d.size() != dims.size()) return false;
+  size_t i = 0;
+  for (int64_t want : dims) {
+    if (d[i++] != want) return false;
+  }
+  return true;
+}
+
+ffi::Error Mismatch(const char* what) {
+  return ffi::Error::InvalidArgument(std::string("jax_moe: ") + what + " does not match the Communicator's config");
+}
+
+ffi::Error DispatchSend(int32_t device, int64_t slot, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
+                        ffi::Buffer<ffi::S32> topk_idx, ffi::Result<ffi::Buffer<ffi::S32>> slot_out,
+                        ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
+  auto comm = cpu::FindComm(uint32_t(slot));
+  if (comm) {
+    const auto& s = comm->options().shape;
+    const int64_t t = x.dimensions().size() == 2 ? x.dimensions()[0] : -1;
+    if (!HasDims(x, {t, s.hidden}) || int64_t(ffi::ByteWidth(x.element_type())) != s.x_itemsize) return Mismatch("x");
+    if (!HasDims(x_scale, {t, s.num_scales}) || x_scale.element_type() != ffi::F32) return Mismatch("x_scale");
+    if (!HasDims(topk_idx, {t, s.experts_per_token}) || !HasDims(*slot_out, {t * s.experts_per_token}) ||
+        ticket->element_count() != 2) {
+      return Mismatch("topk_idx");
+    }
+  }
+  return WithComm(slot, [&](cpu::CpuComm& c) {
+    c.DispatchSend(device, static_cast<const uint8_t*>(x.untyped_data()),
+                   static_cast<const uint8_t*>(x_scale.untyped_data()), topk_idx.typed_data(),
+                   x.dimensions()[0], slot_out->typed_data(), ticket->typed_data());
+  });
+}
+
+ffi::Error DispatchRecv(int32_t device, int64_t slot, ffi::Buffer<ffi::S32> ticket, ffi::Result<ffi::AnyBuffer> expert_x,
+                        ffi::Result<ffi::AnyBuffer> expert_x_scale, ffi::Result<ffi::Buffer<ffi::S32>> counts,
+                        ffi::Result<ffi::Buffer<ffi::S32>> dest) {
+  auto comm = cpu::FindComm(uint32_t(slot));
+  if (comm) {
+    const auto& s = comm->options().shape;
+    const int64_t m = s.max_recv_rows();
+    if (!HasDims(*expert_x, {m, s.hidden}) || int64_t(ffi::ByteWidth(expert_x->element_type())) != s.x_itemsize) {
+      return Mismatch("expert_x");
+    }
+    if (!HasDims(*expert_x_scale, {m, s.num_scales})) return Mismatch("expert_x_scale");
+    if (!HasDims(*counts, {s.local_experts}) || !HasDims(*dest, {m}) || ticket.element_count() != 2) {
+      return Mismatch("dispatch_recv outputs");
+    }
+  }
+  return WithComm(slot, [&](cpu::CpuComm& c) {
+    c.DispatchRecv(device, ticket.typed_data(), static_cast<uint8_t*>(expert_x->untyped_data()),
+                   static_cast<uint8_t*>(expert_x_scale->untyped_data()), counts->typed_data(), dest->typed_data());
+  });
+}
+
+ffi::Error CombineSend(int32_t device, int64_t slot, ffi::AnyBuffer expert_y, ffi::Buffer<ffi::S32> dest,
+                       ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
+  auto comm = cpu::FindComm(uint32_t(slot));
+  if (comm) {
+    const auto& s = comm->options().shape;
+    const int64_t m = s.max_recv_rows();
+    if (!HasDims(expert_y, {m, s.hidden}) || expert_y.element_type() != ffi::BF16) return Mismatch("expert_y");
+    if (!HasDims(dest, {m}) || ticket->element_count() != 2) return Mismatch("the dispatch route");
+  }
+  return WithComm(slot, [&](cpu::CpuComm& c) {
+    c.CombineSend(device, static_cast<const uint8_t*>(expert_y.untyped_data()), dest.typed_data(),
+                  ticket->typed_data());
+  });
+}
+
+ffi::Error CombineRecv(int32_t device, int64_t slot, ffi::Buffer<ffi::S32> ticket, ffi::Buffer<ffi::F32> topk_weights,
+                       ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::AnyBuffer> out) {
+  auto comm = cpu::FindComm(uint32_t(slot));
+  const int64_t t = out->dimensions().size() == 2 ? out->dimensions()[0] : -1;
+  if (comm) {
+    const auto& s = comm->options().shape;
+    if (!HasDims(*out, {t, s.hidden}) || out->element_type() != ffi::BF16) return Mismatch("combine output");
+    if (!HasDims(topk_weights, {t, s.experts_per_token}) || !HasDims(slots, {t * s.experts_per_token}) ||
+        ticket.element_count() != 2) {
+      return Mismatch("topk_weights");
+    }
+  }
+  return WithComm(slot, [&](cpu::CpuComm& c) {
+    c.CombineRecv(device, ticket.typed_data(), topk_weights.typed_data(), slots.typed_data(), t,
+                  static_cast<uint8_t*>(out->untyped_data()));
+  });
+}
+
+}  // namespace
+}  // namespace jax_moe::ffi_handlers
+
+namespace h = jax_moe::ffi_handlers;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCpuDispatchSend, h::DispatchSend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("comm")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCpuDispatchRecv, h::DispatchRecv,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("comm")
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCpuCombineSend, h::CombineSend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("comm")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCpuCombineRecv, h::CombineRecv,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("comm")
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());

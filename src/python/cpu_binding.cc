@@ -1,0 +1,95 @@
+// `jax_moe._core.cpu`: set-up of the "cpu" backend's CpuComm objects and its XLA FFI handler capsules.
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "cpu/cpu_comm.h"
+#include "ffi/cpu_handlers.h"
+#include "python/registry.h"
+
+namespace nb = nanobind;
+using jax_moe::cpu::CpuComm;
+
+namespace {
+
+using TableRow = std::tuple<int64_t, int32_t, int32_t, int32_t>;  // device id, process, group, rank
+using EndpointRow = std::tuple<int32_t, int32_t, nb::bytes, nb::bytes, nb::bytes>;
+
+std::shared_ptr<CpuComm> Get(uint32_t slot) {
+  auto comm = jax_moe::cpu::FindComm(slot);
+  if (!comm) throw nb::value_error(("jax_moe: no CpuComm with slot " + std::to_string(slot)).c_str());
+  return comm;
+}
+
+std::string Str(const nb::bytes& b) { return std::string(b.c_str(), b.size()); }
+
+void Create(uint32_t slot, nb::dict shape, const std::vector<TableRow>& table, int32_t process, double timeout_s,
+            const std::string& provider) {
+  jax_moe::cpu::CommOptions options;
+  auto get = [&](const char* key) { return nb::cast<int64_t>(shape[key]); };
+  options.shape.num_ranks = get("num_ranks");
+  options.shape.num_experts = get("num_experts");
+  options.shape.local_experts = get("local_experts");
+  options.shape.experts_per_token = get("experts_per_token");
+  options.shape.hidden = get("hidden");
+  options.shape.max_tokens = get("max_tokens");
+  options.shape.x_itemsize = get("x_itemsize");
+  options.shape.num_scales = get("num_scales");
+  options.slot = slot;
+  options.timeout_s = timeout_s;
+  options.provider = provider;
+  std::vector<jax_moe::cpu::RankInfo> rows;
+  for (const auto& [device, proc, group, rank] : table) rows.push_back({device, proc, group, rank});
+  std::shared_ptr<CpuComm> comm;
+  {
+    nb::gil_scoped_release release;
+    comm = std::make_shared<CpuComm>(options, rows, process);
+  }
+  jax_moe::cpu::RegisterComm(std::move(comm));
+}
+
+std::vector<EndpointRow> Endpoints(uint32_t slot) {
+  std::vector<EndpointRow> out;
+  for (const auto& e : Get(slot)->LocalEndpoints()) {
+    out.emplace_back(e.group, e.rank, nb::bytes(e.address.data(), e.address.size()),
+                     nb::bytes(e.dispatch_region.data(), e.dispatch_region.size()),
+                     nb::bytes(e.combine_region.data(), e.combine_region.size()));
+  }
+  return out;
+}
+
+void Connect(uint32_t slot, const std::vector<EndpointRow>& rows) {
+  std::vector<jax_moe::cpu::Endpoint> remote;
+  for (const auto& [group, rank, address, dreg, creg] : rows) {
+    remote.push_back({group, rank, Str(address), Str(dreg), Str(creg)});
+  }
+  auto comm = Get(slot);
+  nb::gil_scoped_release release;
+  comm->Connect(remote);
+}
+
+nb::capsule Capsule(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) { return nb::capsule(reinterpret_cast<void*>(fn)); }
+
+void RegisterCpu(nb::module_& m) {
+  nb::module_ cpu = m.def_submodule("cpu", "The 'cpu' backend: dispatch/combine over shared memory and TransferEngine");
+  cpu.def("create", &Create, nb::arg("slot"), nb::arg("shape"), nb::arg("table"), nb::arg("process"),
+          nb::arg("timeout_s"), nb::arg("provider"),
+          "Allocates and registers the buffers of this process's ranks of Communicator `slot`.");
+  cpu.def("has_remote_peers", [](uint32_t slot) { return Get(slot)->has_remote_peers(); });
+  cpu.def("endpoints", &Endpoints, "(group, rank, engine address, dispatch region, combine region) per local rank");
+  cpu.def("connect", &Connect, "Connects to the endpoints of the ranks in other processes.");
+  cpu.def("bytes_allocated", [](uint32_t slot) { return Get(slot)->BytesAllocated(); });
+  cpu.def("release", [](uint32_t slot) { jax_moe::cpu::ReleaseComm(slot); });
+  cpu.def("handlers", [] {
+    nb::dict d;
+    d["dispatch_send"] = Capsule(JaxMoeCpuDispatchSend);
+    d["dispatch_recv"] = Capsule(JaxMoeCpuDispatchRecv);
+    d["combine_send"] = Capsule(JaxMoeCpuCombineSend);
+    d["combine_recv"] = Capsule(JaxMoeCpuCombineRecv);
+    return d;
+  });
+}
+
+}  // namespace
+
+JAX_MOE_PY_REGISTER(cpu, RegisterCpu);
