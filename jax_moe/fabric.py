@@ -14,7 +14,8 @@ Backed by libfabric (providers ``efa``, ``tcp``, ``shm``) or libibverbs, impleme
     eng.wait_imm(1, count=1, timeout_s=10)   # the peer's write into *our* buffer landed
     eng.wait_sends(timeout_s=10)             # our writes completed; buf may be reused
 
-Immediates are user values in [0, MAX_IMM] (20 bits; the other 12 bits name the sender).
+Immediates are 32-bit user values (`TransferEngine.max_imm`; only a provider with 4-byte CQ data and
+no FI_SOURCE limits them to 20 bits).
 Errors: ValueError for bad input (nothing posted), TimeoutError when a wait expires (the message
 names the peers that did not answer), ConnectionError when a peer failed, RuntimeError otherwise.
 """
@@ -78,7 +79,7 @@ def _offsets(name: str, values, n: Optional[int] = None) -> np.ndarray:
     return arr
 
 
-def _imm(imm, allow_none: bool) -> Optional[int]:
+def _imm(imm, allow_none: bool, max_imm: int = MAX_IMM) -> Optional[int]:
     if imm is None:
         if allow_none:
             return None
@@ -86,8 +87,8 @@ def _imm(imm, allow_none: bool) -> Optional[int]:
     if isinstance(imm, (bool, np.bool_)) or not isinstance(imm, (int, np.integer)):
         raise ValueError(f"imm must be an int, got {type(imm).__name__}")
     imm = int(imm)
-    if not 0 <= imm <= MAX_IMM:
-        raise ValueError(f"imm must be in [0, {MAX_IMM}], got {imm}")
+    if not 0 <= imm <= max_imm:
+        raise ValueError(f"imm must be in [0, {max_imm}], got {imm}")
     return imm
 
 
@@ -113,6 +114,7 @@ class TransferEngine:
             raise ValueError(f"num_nics must be >= 1, got {num_nics}")
         self._eng = _f.Engine(provider, int(num_nics), int(progress_cpu), bool(busy_poll))
         self._groups: dict[int, int] = {}
+        self._max_imm = int(self._eng.max_imm)
         self._closed = False
 
     # -- identity ---------------------------------------------------------------------------------
@@ -127,6 +129,11 @@ class TransferEngine:
     @property
     def num_nics(self) -> int:
         return int(self._eng.num_nics)
+
+    @property
+    def max_imm(self) -> int:
+        """Largest immediate value this engine's provider carries (2**32 - 1 except packed mode)."""
+        return self._max_imm
 
     # -- memory -----------------------------------------------------------------------------------
     def register(self, array) -> MemoryRegion:
@@ -193,12 +200,12 @@ class TransferEngine:
         src = _offsets("src_offsets", src_offsets, n)
         ln = _offsets("lengths", lengths, n)
         dst = _offsets("dst_offsets", dst_offsets, n)
-        self._eng.scatter(int(g), region, src, ln, dst, _imm(imm, allow_none=True))
+        self._eng.scatter(int(g), region, src, ln, dst, _imm(imm, True, self._max_imm))
 
     def barrier(self, g: int, imm: int) -> None:
         """A zero-byte write with immediate `imm` to every member of group `g`."""
         self._group(g)
-        self._eng.barrier(int(g), _imm(imm, allow_none=False))
+        self._eng.barrier(int(g), _imm(imm, False, self._max_imm))
 
     def write(self, peer: int, mr: MemoryRegion, src_offset: int, length: int, descriptor: bytes,
               dst_offset: int, imm: Optional[int] = None) -> None:
@@ -210,7 +217,7 @@ class TransferEngine:
         if not isinstance(descriptor, (bytes, bytearray, memoryview)):
             raise ValueError("write(): descriptor must be bytes")
         self._eng.write(int(peer), region, int(src_offset), int(length), bytes(descriptor), int(dst_offset),
-                        _imm(imm, allow_none=True))
+                        _imm(imm, True, self._max_imm))
 
     # -- waits ------------------------------------------------------------------------------------
     def wait_imm(self, imm: int, count: int, timeout_s: float) -> None:
@@ -221,11 +228,11 @@ class TransferEngine:
         """
         if int(count) < 0:
             raise ValueError("wait_imm(): count must be >= 0")
-        self._eng.wait_imm(_imm(imm, allow_none=False), int(count), _timeout(timeout_s))
+        self._eng.wait_imm(_imm(imm, False, self._max_imm), int(count), _timeout(timeout_s))
 
     def wait_imm_from(self, imm: int, peers: Sequence[int], timeout_s: float) -> None:
         """Wait for one immediate `imm` from each of `peers` (exact per-peer accounting)."""
-        self._eng.wait_imm_from(_imm(imm, allow_none=False), [int(p) for p in peers], _timeout(timeout_s))
+        self._eng.wait_imm_from(_imm(imm, False, self._max_imm), [int(p) for p in peers], _timeout(timeout_s))
 
     def wait_sends(self, timeout_s: float) -> None:
         """Wait until every write this engine posted has completed (source buffers reusable)."""

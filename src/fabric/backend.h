@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "fabric/imm.h"
+
 namespace jax_moe::fabric {
 
 // Storage the provider may use while an operation is in flight (fi_context2 / wr_id target). The
@@ -31,7 +33,8 @@ struct WriteRequest {
   uint64_t remote_addr = 0;  // virtual address or offset, as remote_virt_addr() says
   uint64_t rkey = 0;
   bool has_imm = false;
-  uint32_t imm = 0;
+  uint32_t imm = 0;   // user value
+  uint32_t slot = 0;  // the id the receiver knows us by (encoded as imm_mode() says)
 };
 
 struct Completion {
@@ -39,7 +42,8 @@ struct Completion {
   Kind kind = kError;
   void* context = nullptr;  // WriteRequest::context / send / recv context; null for kImm
   uint64_t length = 0;      // bytes received (kRecvDone)
-  uint32_t imm = 0;         // raw 32-bit immediate (kImm)
+  uint32_t imm = 0;         // user value (kImm), already decoded
+  uint32_t peer = 0;        // sender's engine peer id (kImm), kUnknownPeer if it cannot be told
   std::string error;        // kError: provider text
 };
 
@@ -55,6 +59,9 @@ class Backend {
   virtual bool remote_virt_addr() const = 0;
   virtual uint64_t max_write_bytes() const = 0;
   virtual bool supports_device_memory() const = 0;
+  // How the sender is identified (imm.h); decides the largest user immediate.
+  virtual ImmMode imm_mode() const = 0;
+  uint32_t max_imm() const { return imm_mode() == ImmMode::kPacked ? kMaxPackedImm : kMaxWideImm; }
 
   virtual std::unique_ptr<BackendRegion> Register(void* ptr, uint64_t nbytes, int device) = 0;
   // Makes engine peer `peer`'s NIC address reachable from local NIC `nic`; returns the handle used in

@@ -68,6 +68,12 @@ void EngineCore::Start() {
   thread_ = std::thread([this] { ProgressLoop(); });
 }
 
+void EngineCore::CheckImm(uint64_t imm) const {
+  const uint32_t max = backend_->max_imm();
+  Require(imm <= max, "imm " + std::to_string(imm) + " out of range: this provider carries immediates in [0, " +
+                          std::to_string(max) + "]");
+}
+
 void EngineCore::CheckOpen() const {
   if (closed_.load()) Throw(ErrorCode::kClosed, "TransferEngine is closed");
 }
@@ -503,7 +509,7 @@ void EngineCore::Scatter(uint32_t group, const MemoryRegion* src, const uint64_t
                          const uint64_t* lengths, const uint64_t* dst_offsets, size_t n, std::optional<uint32_t> imm,
                          bool zero_byte) {
   CheckOpen();
-  if (imm) Require(*imm <= kMaxUserImm, "imm must be in [0, " + std::to_string(kMaxUserImm) + "]");
+  if (imm) CheckImm(*imm);
   std::vector<PendingWrite> writes;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -551,7 +557,7 @@ void EngineCore::Scatter(uint32_t group, const MemoryRegion* src, const uint64_t
 void EngineCore::Write(uint32_t peer, const MemoryRegion& src, uint64_t src_offset, uint64_t length,
                        const RegionDescriptor& dst, uint64_t dst_offset, std::optional<uint32_t> imm) {
   CheckOpen();
-  if (imm) Require(*imm <= kMaxUserImm, "imm must be in [0, " + std::to_string(kMaxUserImm) + "]");
+  if (imm) CheckImm(*imm);
   {
     std::lock_guard<std::mutex> lock(mu_);
     Require(peer < peers_.size() && peers_[peer]->ready, "write: unknown peer " + std::to_string(peer));
@@ -599,7 +605,7 @@ void EngineCore::Write(uint32_t peer, const MemoryRegion& src, uint64_t src_offs
 
 void EngineCore::WaitImm(uint32_t imm, uint64_t count, double timeout_s) {
   CheckOpen();
-  Require(imm <= kMaxUserImm, "imm must be in [0, " + std::to_string(kMaxUserImm) + "]");
+  CheckImm(imm);
   std::map<uint32_t, uint64_t> seen;
   if (imms_.Wait(imm, count, Deadline::After(timeout_s), &seen)) return;
   CheckOpen();
@@ -617,7 +623,7 @@ void EngineCore::WaitImm(uint32_t imm, uint64_t count, double timeout_s) {
 
 void EngineCore::WaitImmFrom(uint32_t imm, const std::vector<uint32_t>& peers, double timeout_s) {
   CheckOpen();
-  Require(imm <= kMaxUserImm, "imm must be in [0, " + std::to_string(kMaxUserImm) + "]");
+  CheckImm(imm);
   Require(std::set<uint32_t>(peers.begin(), peers.end()).size() == peers.size(), "wait_imm_from: duplicate peer");
   std::vector<uint32_t> missing;
   if (imms_.WaitFrom(imm, peers, 1, Deadline::After(timeout_s), &missing)) return;
@@ -807,12 +813,10 @@ void EngineCore::OnCompletion(int nic, const Completion& c) {
         OnMessage(nic, msg);
       }
       break;
-    case Completion::kImm: {
-      const uint32_t slot = ImmSlot(c.imm);
+    case Completion::kImm:
       imms_per_nic_[nic]++;
-      arrivals_.push_back({ImmUser(c.imm), slot});
+      arrivals_.push_back({c.imm, c.peer});
       break;
-    }
     case Completion::kError:
       if (op == nullptr) {
         JAX_MOE_LOG(kWarn, "completion error on NIC " << nic << ": " << c.error);

@@ -58,6 +58,8 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   void Start();
   void Close();
   void CheckOpen() const;  // throws kClosed
+  void CheckImm(uint64_t imm) const;  // throws kInvalidArgument
+  uint32_t max_imm() const { return backend_->max_imm(); }
 
   const std::string& address() const { return address_; }
   Backend& backend() { return *backend_; }

@@ -1,4 +1,10 @@
-// Bit layout of the 32-bit immediate carried by every write (remote CQ data / IBV_WR_RDMA_WRITE_WITH_IMM).
+// How a write's immediate names its sender. User immediates are full 32-bit values wherever the
+// transport can identify the sender another way:
+//   - remote CQ data of 8 bytes (tcp, shm): data = sender_slot << 32 | user (ImmMode::kWide);
+//   - FI_SOURCE (efa): fi_cq_readfrom gives the sender's address (ImmMode::kSource);
+//   - verbs RC: the completion's QP number identifies the sender (ImmMode::kSource).
+// Only a provider with 4-byte CQ data and no FI_SOURCE falls back to packing both into 32 bits
+// (ImmMode::kPacked), which limits user values to 20 bits:
 //
 //   31            20 19                         0
 //  +----------------+----------------------------+
@@ -13,14 +19,18 @@
 
 namespace jax_moe::fabric {
 
+enum class ImmMode { kWide, kSource, kPacked };
+
 constexpr int kImmUserBits = 20;
-constexpr uint32_t kMaxUserImm = (1u << kImmUserBits) - 1;  // 1048575
-constexpr uint32_t kMaxPeers = 1u << (32 - kImmUserBits);   // 4096 peers per engine
+constexpr uint32_t kMaxWideImm = 0xffffffffu;
+constexpr uint32_t kMaxPackedImm = (1u << kImmUserBits) - 1;  // 1048575
+constexpr uint32_t kMaxPeers = 1u << (32 - kImmUserBits);   // 4096 peers per engine (slot fits all modes)
+constexpr uint32_t kUnknownPeer = 0xffffffffu;
 
 constexpr uint32_t EncodeImm(uint32_t sender_slot, uint32_t user) {
-  return (sender_slot << kImmUserBits) | (user & kMaxUserImm);
+  return (sender_slot << kImmUserBits) | (user & kMaxPackedImm);
 }
 constexpr uint32_t ImmSlot(uint32_t imm) { return imm >> kImmUserBits; }
-constexpr uint32_t ImmUser(uint32_t imm) { return imm & kMaxUserImm; }
+constexpr uint32_t ImmUser(uint32_t imm) { return imm & kMaxPackedImm; }
 
 }  // namespace jax_moe::fabric

@@ -29,7 +29,8 @@ inline void PatchWrite(const WriteTemplate& t, const void* src_base, void* local
   out->local_desc = local_desc;
   out->remote_addr = t.req.remote_addr + dst_offset;
   out->has_imm = imm.has_value();
-  out->imm = imm ? ((t.imm_slot << 20) | (*imm & 0xfffff)) : 0;
+  out->imm = imm ? *imm : 0;
+  out->slot = t.imm_slot;
   out->context = context;
 }
 

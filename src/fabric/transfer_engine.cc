@@ -29,6 +29,10 @@ std::string TransferEngine::provider() const {
   return EngineAddress::Parse(core_->address()).provider;
 }
 int TransferEngine::num_nics() const { return core_->num_nics(); }
+uint32_t TransferEngine::max_imm() const {
+  core_->CheckOpen();
+  return core_->max_imm();
+}
 
 std::shared_ptr<MemoryRegion> TransferEngine::Register(void* ptr, uint64_t nbytes, int device) {
   return core_->Register(ptr, nbytes, device);

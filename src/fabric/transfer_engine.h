@@ -13,7 +13,8 @@
 //
 // Semantics
 // - Immediates: the receiver of a write with imm v gets v counted once the data is in its memory.
-//   v must be <= kMaxUserImm (20 bits, see imm.h). WaitImm(v, k) consumes k of them; surplus stays
+//   v is any 32-bit value (max_imm(); only a provider with 4-byte CQ data and no FI_SOURCE limits it
+//   to 20 bits, see imm.h). WaitImm(v, k) consumes k of them; surplus stays
 //   banked (a fast peer's next round is not lost). WaitImmFrom(v, peers) needs one from each peer.
 // - Ordering: none between writes, even to the same peer. Use an immediate per write that matters.
 // - Threads: all methods are thread-safe. Posting is asynchronous: the calling thread validates and
@@ -99,6 +100,7 @@ class TransferEngine {
   std::string Address() const;
   std::string provider() const;
   int num_nics() const;
+  uint32_t max_imm() const;  // largest immediate value this provider carries
 
   std::shared_ptr<MemoryRegion> Register(void* ptr, uint64_t nbytes, int device = -1);
 

@@ -82,7 +82,8 @@ void TranslateErrors() {
 void RegisterFabric(nb::module_& m) {
   nb::module_ f = m.def_submodule("fabric", "TransferEngine: RDMA writes with immediates (libfabric/ibverbs)");
   TranslateErrors();
-  f.attr("MAX_IMM") = fabric::kMaxUserImm;
+  f.attr("MAX_IMM") = fabric::kMaxWideImm;
+  f.attr("MAX_PACKED_IMM") = fabric::kMaxPackedImm;
   f.attr("MAX_PEERS") = fabric::kMaxPeers;
 
   nb::class_<Region>(f, "MemoryRegion")
@@ -97,6 +98,7 @@ void RegisterFabric(nb::module_& m) {
       .def("address", [](Engine& s) { return ToBytes(s.e().Address()); })
       .def_prop_ro("provider", [](Engine& s) { return s.e().provider(); })
       .def_prop_ro("num_nics", [](Engine& s) { return s.e().num_nics(); })
+      .def_prop_ro("max_imm", [](Engine& s) { return s.e().max_imm(); })
       .def("register_ptr",
            [](Engine& s, uintptr_t ptr, uint64_t nbytes, int device) {
              nb::gil_scoped_release nogil;

@@ -17,7 +17,8 @@ needs_tcp = pytest.mark.skipif("tcp" not in AVAILABLE, reason="libfabric tcp pro
 # --- pure helpers ---------------------------------------------------------------------------------
 
 def test_imm_bit_layout():
-    assert fabric.MAX_IMM == (1 << 20) - 1
+    assert fabric.MAX_IMM == (1 << 32) - 1
+    assert _core.fabric.MAX_PACKED_IMM == (1 << 20) - 1
     assert fabric.MAX_PEERS == 4096
     imm = T.imm_encode(4095, fabric.MAX_IMM)
     assert imm == 0xFFFFFFFF
@@ -151,7 +152,15 @@ def test_write_scatter_barrier_and_errors(pair):
     with pytest.raises(ValueError, match="integers"):
         a.scatter(g, ma, [0.5], [1], [0], 1)
     with pytest.raises(ValueError, match="imm"):
-        a.scatter(g, ma, [0], [1], [0], fabric.MAX_IMM + 1)
+        a.scatter(g, ma, [0], [1], [0], a.max_imm + 1)
+    with pytest.raises(ValueError, match="imm"):
+        a.barrier(g, -1)
+    # Full 32-bit immediates (tcp carries 8 bytes of CQ data: the sender slot rides in the upper half).
+    assert a.max_imm == 0xFFFFFFFF
+    a.barrier(g, 0xFFFFFFFF)
+    a.write(p, ma, 0, 1, mb.descriptor(), 0, imm=0x80000001)
+    b.wait_imm(0xFFFFFFFF, 1, 5)
+    b.wait_imm_from(0x80000001, [q], 5)
     with pytest.raises(ValueError, match="unknown peer group"):
         a.barrier(17, 1)
     with pytest.raises(ValueError, match="registered with this engine"):

@@ -32,10 +32,11 @@ std::string LibfabricName(const std::string& provider) {
   return provider;  // "efa", "shm"
 }
 
-InfoPtr GetInfo(const std::string& provider, bool want_hmem) {
+InfoPtr GetInfo(const std::string& provider, bool want_hmem, bool want_source) {
   InfoPtr hints(fi_allocinfo());
   if (!hints) Throw(ErrorCode::kInternal, "fi_allocinfo failed");
-  hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV | (want_hmem ? FI_HMEM : 0);
+  hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV | (want_hmem ? FI_HMEM : 0) |
+               (want_source ? FI_SOURCE : 0);
   hints->mode = FI_CONTEXT | FI_CONTEXT2;  // our op contexts reserve OpContextStorage for the provider
   hints->ep_attr->type = FI_EP_RDM;
   hints->domain_attr->mr_mode = static_cast<int>(kMrModeWeHandle);
@@ -46,7 +47,7 @@ InfoPtr GetInfo(const std::string& provider, bool want_hmem) {
   int rc = fi_getinfo(FI_VERSION(1, 17), nullptr, nullptr, 0, hints.get(), &info);
   if (rc != 0 || info == nullptr) {
     Throw(ErrorCode::kUnavailable, "fi_getinfo(provider=" + LibfabricName(provider) + (want_hmem ? ", FI_HMEM" : "") +
-                                       "): " + fi_strerror(-rc));
+                                       (want_source ? ", FI_SOURCE" : "") + "): " + fi_strerror(-rc));
   }
   return InfoPtr(info);
 }
@@ -58,11 +59,16 @@ struct OfiRegion : BackendRegion {
 class OfiBackend final : public Backend {
  public:
   OfiBackend(const std::string& provider, int num_nics) : provider_(provider) {
+    // Most wanted first: CUDA memory (efa) and FI_SOURCE (names senders of 4-byte immediates).
     InfoPtr list;
-    try {
-      list = GetInfo(provider, /*want_hmem=*/provider == "efa");
-    } catch (const Error&) {
-      list = GetInfo(provider, false);
+    const bool efa = provider == "efa";
+    for (int attempt = 0; attempt < 4 && !list; ++attempt) {
+      const bool hmem = efa && attempt < 2, source = efa && attempt % 2 == 0;
+      try {
+        list = GetInfo(provider, hmem, source);
+      } catch (const Error&) {
+        if (attempt == 3 || !efa) throw;
+      }
     }
     // efa: one NIC per distinct device. tcp/shm: several endpoints on the same device.
     std::vector<fi_info*> devices;
@@ -84,6 +90,13 @@ class OfiBackend final : public Backend {
                                                          : static_cast<uint64_t>(info->domain_attr->mr_mode);
     max_msg_ = info->ep_attr->max_msg_size;
     hmem_ = (info->caps & FI_HMEM) != 0;
+    if (info->domain_attr->cq_data_size >= 8) {
+      imm_mode_ = ImmMode::kWide;
+    } else if (info->caps & FI_SOURCE) {
+      imm_mode_ = ImmMode::kSource;
+    } else {
+      imm_mode_ = ImmMode::kPacked;
+    }
     JAX_MOE_LOG(kInfo, "ofi: provider " << info->fabric_attr->prov_name << ", domain " << info->domain_attr->name
                                         << ", mr_mode 0x" << std::hex << mr_mode_ << std::dec << ", NICs " << num_nics);
   }
@@ -98,6 +111,7 @@ class OfiBackend final : public Backend {
   bool remote_virt_addr() const override { return (mr_mode_ & FI_MR_VIRT_ADDR) != 0; }
   uint64_t max_write_bytes() const override { return max_msg_; }
   bool supports_device_memory() const override { return hmem_; }
+  ImmMode imm_mode() const override { return imm_mode_; }
 
   std::string FormatAddress(int nic, const std::string& raw) const override {
     char buf[256];
@@ -138,6 +152,7 @@ class OfiBackend final : public Backend {
     fi_addr_t addr = FI_ADDR_NOTAVAIL;
     int rc = fi_av_insert(nics_[nic]->av.get(), raw.data(), 1, &addr, 0, nullptr);
     if (rc != 1) Throw(ErrorCode::kInvalidArgument, "fi_av_insert: " + std::string(fi_strerror(rc < 0 ? -rc : FI_EINVAL)));
+    nics_[nic]->peer_of[addr] = peer;
     return addr;
   }
 
@@ -156,7 +171,11 @@ class OfiBackend final : public Backend {
       msg.rma_iov = &rma;
       msg.rma_iov_count = 1;
       msg.context = w.context;
-      msg.data = w.imm;
+      switch (imm_mode_) {
+        case ImmMode::kWide: msg.data = (static_cast<uint64_t>(w.slot) << 32) | w.imm; break;
+        case ImmMode::kSource: msg.data = w.imm; break;
+        case ImmMode::kPacked: msg.data = EncodeImm(w.slot, w.imm); break;
+      }
       ssize_t rc = fi_writemsg(ep, &msg, FI_COMPLETION | (w.has_imm ? FI_REMOTE_CQ_DATA : 0));
       if (rc == -FI_EAGAIN) return i;
       Check(rc, "fi_writemsg");
@@ -187,7 +206,9 @@ class OfiBackend final : public Backend {
   size_t Poll(int nic, std::vector<Completion>* out, size_t max) override {
     fid_cq* cq = nics_[nic]->cq.get();
     fi_cq_data_entry entries[64];
-    ssize_t rc = fi_cq_read(cq, entries, std::min<size_t>(max, 64));
+    fi_addr_t sources[64];
+    const size_t want = std::min<size_t>(max, 64);
+    ssize_t rc = imm_mode_ == ImmMode::kSource ? fi_cq_readfrom(cq, entries, want, sources) : fi_cq_read(cq, entries, want);
     if (rc == -FI_EAGAIN) return 0;
     if (rc == -FI_EAVAIL) {
       fi_cq_err_entry err{};
@@ -208,7 +229,22 @@ class OfiBackend final : public Backend {
       Completion c;
       if ((e.flags & FI_REMOTE_CQ_DATA) && (e.flags & (FI_REMOTE_WRITE | FI_RMA)) && !(e.flags & FI_MSG)) {
         c.kind = Completion::kImm;
-        c.imm = static_cast<uint32_t>(e.data);
+        switch (imm_mode_) {
+          case ImmMode::kWide:
+            c.imm = static_cast<uint32_t>(e.data);
+            c.peer = static_cast<uint32_t>(e.data >> 32);
+            break;
+          case ImmMode::kSource: {
+            c.imm = static_cast<uint32_t>(e.data);
+            auto it = nics_[nic]->peer_of.find(sources[i]);
+            c.peer = it == nics_[nic]->peer_of.end() ? kUnknownPeer : it->second;
+            break;
+          }
+          case ImmMode::kPacked:
+            c.imm = ImmUser(static_cast<uint32_t>(e.data));
+            c.peer = ImmSlot(static_cast<uint32_t>(e.data));
+            break;
+        }
       } else if (e.flags & FI_RECV) {
         c.kind = Completion::kRecvDone;
         c.context = e.op_context;
@@ -235,6 +271,7 @@ class OfiBackend final : public Backend {
     Fid<fid_cq> cq;
     Fid<fid_ep> ep;
     std::string address;
+    std::unordered_map<fi_addr_t, uint32_t> peer_of;  // for FI_SOURCE: sender address -> engine peer
     ~Nic() {
       // Endpoint first, then what it is bound to.
       ep.reset();
@@ -299,6 +336,7 @@ class OfiBackend final : public Backend {
   uint64_t mr_mode_ = 0;
   uint64_t max_msg_ = 0;
   bool hmem_ = false;
+  ImmMode imm_mode_ = ImmMode::kPacked;
   uint64_t next_key_ = 1;
   std::map<std::pair<void*, int>, fid_mr*> msg_mrs_;
   std::unordered_map<void*, std::pair<void*, int>> send_mrs_;

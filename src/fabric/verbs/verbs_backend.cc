@@ -95,6 +95,7 @@ class VerbsBackend final : public Backend {
   bool remote_virt_addr() const override { return true; }
   uint64_t max_write_bytes() const override { return kMaxChunk * WriteChain::kMaxChain; }
   bool supports_device_memory() const override { return true; }  // via nvidia-peermem
+  ImmMode imm_mode() const override { return ImmMode::kSource; }  // the RC QP names the sender
 
   std::unique_ptr<BackendRegion> Register(void* ptr, uint64_t nbytes, int device) override {
     auto r = std::make_unique<Region>();
@@ -129,7 +130,7 @@ class VerbsBackend final : public Backend {
   std::string LocalConnectBlob(uint32_t peer) override {
     Peer& p = peers_.at(peer);
     RcActions a = p.conn.CreateLocal();
-    if (a.create_local_qps) CreateQps(p);
+    if (a.create_local_qps) CreateQps(peer, p);
     ConnectBlob blob;
     for (size_t i = 0; i < nics_.size(); ++i) {
       blob.nics.push_back({p.nics[i].msg->qp_num, p.nics[i].msg_psn, p.nics[i].rma->qp_num, p.nics[i].rma_psn,
@@ -144,7 +145,7 @@ class VerbsBackend final : public Backend {
     // Every local NIC i talks to the peer's NIC i % (its count), mirroring the engine's AV mapping.
     const RcEndpointInfo& first = blob.nics[0];
     RcActions a = p.conn.RemoteInfo(first);
-    if (a.create_local_qps) CreateQps(p);
+    if (a.create_local_qps) CreateQps(peer, p);
     if (a.connect_qps) {
       for (size_t i = 0; i < nics_.size(); ++i) Connect(static_cast<int>(i), p.nics[i], blob.nics[i % blob.nics.size()]);
     }
@@ -217,6 +218,8 @@ class VerbsBackend final : public Backend {
       } else if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
         c.kind = Completion::kImm;
         c.imm = ntohl(wc.imm_data);
+        auto it = peer_of_qp_.find(wc.qp_num);
+        c.peer = it == peer_of_qp_.end() ? kUnknownPeer : it->second;
         RepostInternal(nic, wc.wr_id);
       } else if (tag == (kTagMsgRecv & 7) || tag == (kTagUdRecv & 7)) {
         const size_t skip = tag == (kTagUdRecv & 7) ? kGrh : 0;
@@ -358,7 +361,7 @@ class VerbsBackend final : public Backend {
     n.send_slot_of.erase(it);
   }
 
-  void CreateQps(Peer& p) {
+  void CreateQps(uint32_t peer, Peer& p) {
     static thread_local std::mt19937 rng(std::random_device{}());
     for (size_t i = 0; i < nics_.size(); ++i) {
       Nic& n = nics_[i];
@@ -380,6 +383,7 @@ class VerbsBackend final : public Backend {
         CheckRc(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS),
                 "ibv_modify_qp(RC INIT)");
         (which == 0 ? pn.msg : pn.rma) = qp;
+        if (which == 1) peer_of_qp_[qp->qp_num] = peer;
         (which == 0 ? pn.msg_psn : pn.rma_psn) = rng() & kMax24;
       }
     }
@@ -440,6 +444,7 @@ class VerbsBackend final : public Backend {
 
   std::vector<Nic> nics_;  // reserved up front: Nic addresses must not move after registration
   std::unordered_map<uint32_t, Peer> peers_;
+  std::unordered_map<uint32_t, uint32_t> peer_of_qp_;  // rma QP number -> engine peer (names imm senders)
 };
 
 }  // namespace
