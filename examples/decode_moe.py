@@ -83,11 +83,12 @@ def main() -> None:
     wall = time.time() - start
     generated = np.stack(out, axis=1)
 
-    print(f"{len(prompts)} prompts (batch {batch} over EP={ep}, backend {model.blocks[0].moe.comm_for(batch // ep).backend_name!r}), "
+    backend = model.blocks[0].moe.comm_for(batch // ep).backend_name
+    print(f"{len(prompts)} prompts (batch {batch} over EP={ep}, jax_moe backend {backend!r}), "
           f"{total} decode steps in {wall:.1f}s ({total / wall:.1f} steps/s)")
     for b, p in enumerate(prompts):
         text = _common.decode(generated[b, :len(p) + args.max_new_tokens].tolist(), vocab)
-        print(f"--- prompt {args.prompts[b]!r}\n{text}")
+        print(f"--- prompt {args.prompts[b]!r}\n{text}\n")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import _common  # noqa: I001  (puts the repository on sys.path)
 DEVICES = _common.init_devices()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -153,5 +152,4 @@ def plot(history: list[float], val_points: list[tuple[int, float]], path: str) -
 
 
 if __name__ == "__main__":
-    jnp.zeros(())  # noqa: B018  (fail early if the backend cannot start)
     main()

@@ -62,11 +62,17 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
 
 
-@pytest.mark.parametrize("activation,shared_ffn", [("swiglu", 0), ("swiglu", 24), ("gelu", 24)])
-def test_moe_matches_dense_reference(activation: str, shared_ffn: int) -> None:
+@pytest.mark.parametrize("activation,shared_ffn,backend", [("swiglu", 0, "xla"), ("swiglu", 24, "xla"),
+                                                         ("gelu", 24, "xla"), ("swiglu", 24, "cpu")])
+def test_moe_matches_dense_reference(activation: str, shared_ffn: int, backend: str) -> None:
     mesh = mesh4()
-    m = MoE(HIDDEN, FFN, E, R, mesh=mesh, backend="xla", shared_ffn=shared_ffn, activation=activation,
+    try:
+        jax_moe.backends.load(backend)
+    except jax_moe.BackendUnavailable as e:
+        pytest.skip(str(e))
+    m = MoE(HIDDEN, FFN, E, R, mesh=mesh, backend=backend, shared_ffn=shared_ffn, activation=activation,
             rngs=nnx.Rngs(0))
+    assert m.comm_for(12).backend_name == backend
     assert m.w_in[...].sharding.spec == P("ep", None, None)
     x_np = np.random.default_rng(1).standard_normal((8, 6, HIDDEN)).astype(np.float32)
     x = jax.device_put(x_np, NamedSharding(mesh, P("ep")))

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe
@@ -109,13 +110,16 @@ class MoE(nnx.Module):
         self.communicator = communicator
         self.activation, self.dtype = activation, dtype
 
-        ep = P(axis_name, None, None)
+        def expert_param(shape: tuple[int, int, int], fan_in: int) -> nnx.Param:
+            # The sharding metadata (with the mesh) lets optimizers build their state with the same layout.
+            return nnx.Param(_normal(rngs, shape, fan_in ** -0.5, dtype), out_sharding=P(axis_name, None, None),
+                             mesh=mesh)
+
         with jax.set_mesh(mesh):  # eager sharding: experts split over the axis, everything else replicated
             self.router = nnx.Param(_normal(rngs, (hidden, num_experts), 0.02, jnp.float32))
-            self.w_in = nnx.Param(_normal(rngs, (num_experts, hidden, ffn), hidden ** -0.5, dtype), out_sharding=ep, mesh=mesh)
-            self.w_up = (nnx.Param(_normal(rngs, (num_experts, hidden, ffn), hidden ** -0.5, dtype), out_sharding=ep, mesh=mesh)
-                         if activation == "swiglu" else None)
-            self.w_out = nnx.Param(_normal(rngs, (num_experts, ffn, hidden), ffn ** -0.5, dtype), out_sharding=ep, mesh=mesh)
+            self.w_in = expert_param((num_experts, hidden, ffn), hidden)
+            self.w_up = expert_param((num_experts, hidden, ffn), hidden) if activation == "swiglu" else None
+            self.w_out = expert_param((num_experts, ffn, hidden), ffn)
             self.shared = DenseFFN(hidden, shared_ffn, activation, dtype, rngs) if shared_ffn else None
 
     @property
@@ -163,5 +167,9 @@ class MoE(nnx.Module):
             return y.reshape(x.shape[:-1] + (y.shape[-1],)), aux
 
         tokens = P(axis)
+        if getattr(self.mesh, "are_all_axes_explicit", False):
+            # Explicit meshes make shard_map reject inputs laid out otherwise (e.g. a replicated x): move them.
+            x = jax.sharding.reshard(x, NamedSharding(self.mesh, tokens))
+            params = {k: jax.sharding.reshard(v, NamedSharding(self.mesh, specs[k])) for k, v in params.items()}
         fn = jax.shard_map(body, mesh=self.mesh, in_specs=(tokens, specs), out_specs=(tokens, P()))
         return fn(x, params)
