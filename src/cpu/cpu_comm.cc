@@ -34,6 +34,7 @@ struct CpuComm::Direction {
   uint64_t send_round = 0, recv_round = 0;
   std::shared_ptr<fabric::MemoryRegion> recv_mr, stage_mr;
   fabric::GroupId group = 0;
+  std::vector<fabric::RegionDescriptor> remote_regions;  // receive buffers of the remote ranks, group order
 
   uint8_t* Region(int64_t n, uint64_t round, int64_t sender) const {
     return recv.data() + (int64_t(round & 1) * n + sender) * region_bytes;
@@ -198,6 +199,8 @@ void CpuComm::Connect(const std::vector<Endpoint>& remote) {
     }
     rank->dispatch.group = rank->engine->CreatePeerGroup(rank->remote_peers, dispatch_regions);
     rank->combine.group = rank->engine->CreatePeerGroup(rank->remote_peers, combine_regions);
+    rank->dispatch.remote_regions = std::move(dispatch_regions);
+    rank->combine.remote_regions = std::move(combine_regions);
   }
 }
 
@@ -260,6 +263,25 @@ void WaitOn(CpuComm::Rank& owner, const Deadline& deadline, Ready ready, What wh
   }
 }
 
+// Waits for one immediate `imm` from every rank of other processes. On a timeout the message names every rank
+// that is missing (later peers are only polled once the first one is late); a transfer error names its rank.
+template <typename What>
+void WaitRemote(CpuComm::Rank& me, uint32_t imm, const Deadline& deadline, What what) {
+  std::vector<int32_t> missing;
+  for (size_t i = 0; i < me.remote_peers.size(); ++i) {
+    const double wait_s = missing.empty() ? std::max(0.0, deadline.RemainingSeconds()) : 0.0;
+    try {
+      me.engine->WaitImmFrom(imm, {me.remote_peers[i]}, wait_s);
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::kTimeout) {
+        Throw(e.code(), what() + RankList({me.remote_ranks[i]}) + " (other process): " + e.what());
+      }
+      missing.push_back(me.remote_ranks[i]);
+    }
+  }
+  if (!missing.empty()) Throw(ErrorCode::kTimeout, what() + RankList(missing) + " (other processes) in time");
+}
+
 }  // namespace
 
 
@@ -282,9 +304,10 @@ static void AcquireRegions(CpuComm::Rank& me, CpuComm::Direction CpuComm::Rank::
           },
           healthy);
     }
-    if (!me.remote_ranks.empty()) {
-      me.engine->WaitImmFrom(MakeImm(d.credit_kind, slot), me.remote_peers, std::max(0.0, deadline.RemainingSeconds()));
-    }
+    WaitRemote(me, MakeImm(d.credit_kind, slot), deadline, [&] {
+      return std::string(d.name) + " on rank " + std::to_string(me.info.rank) + ": no credit for round " +
+             std::to_string(round - 2) + " from ranks ";
+    });
   }
   if (!me.remote_ranks.empty()) me.engine->WaitSends(std::max(0.0, deadline.RemainingSeconds()));
   for (int64_t p = 0; p < n; ++p) {
@@ -324,9 +347,24 @@ static void Publish(CpuComm::Rank& me, CpuComm::Direction CpuComm::Rank::*dir, u
       dst.push_back(((round & 1) * n + me.info.rank) * d.region_bytes);
     }
   }
-  if (!src.empty()) {
-    me.engine->Scatter(d.group, *d.stage_mr, src.data(), len.data(), dst.data(), src.size(),
-                       MakeImm(d.data_kind, slot));
+  if (src.empty()) return;
+  const uint32_t imm = MakeImm(d.data_kind, slot);
+  try {
+    me.engine->Scatter(d.group, *d.stage_mr, src.data(), len.data(), dst.data(), src.size(), imm);
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::kPeerFailed) throw;
+    // A peer is gone: still deliver to the others, so that they fail naming the right rank instead of timing out
+    // on us too, then report the failed peers.
+    std::vector<int32_t> failed;
+    for (size_t i = 0; i < src.size(); ++i) {
+      try {
+        me.engine->Write(me.remote_peers[i], *d.stage_mr, src[i], len[i], d.remote_regions[i], dst[i], imm);
+      } catch (const Error&) {
+        failed.push_back(me.remote_ranks[i]);
+      }
+    }
+    Throw(ErrorCode::kPeerFailed, std::string(d.name) + " on rank " + std::to_string(me.info.rank) +
+                                      ": cannot write to ranks " + RankList(failed) + ": " + e.what());
   }
 }
 
@@ -356,14 +394,10 @@ static std::vector<const RegionHeader*> AwaitRegions(CpuComm::Rank& me, CpuComm:
                RankList(missing) + " within the timeout (round " + std::to_string(round) + ")";
       },
       healthy);
-  if (!me.remote_ranks.empty()) {
-    try {
-      me.engine->WaitImmFrom(MakeImm(d.data_kind, slot), me.remote_peers, std::max(0.0, deadline.RemainingSeconds()));
-    } catch (const Error& e) {
-      Throw(e.code(), std::string(d.name) + " on rank " + std::to_string(me.info.rank) + ": waiting for ranks " +
-                          RankList(me.remote_ranks) + " of other processes: " + e.what());
-    }
-  }
+  WaitRemote(me, MakeImm(d.data_kind, slot), deadline, [&] {
+    return std::string(d.name) + " on rank " + std::to_string(me.info.rank) + ": no data for round " +
+           std::to_string(round) + " from ranks ";
+  });
   std::vector<const RegionHeader*> headers(n);
   for (int64_t p = 0; p < n; ++p) {
     headers[p] = reinterpret_cast<const RegionHeader*>(d.Region(n, round, p));
