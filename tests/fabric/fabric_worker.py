@@ -1,4 +1,4 @@
-"""One process of a multi-process fabric test (run by conftest.run_world; not collected by pytest).
+"""One process of a multi-process fabric test (run by fabric_mp.run_world; not collected by pytest).
 
 usage: fabric_worker.py <dir> <rank> <world> <provider> <num_nics> <scenario> [rounds]
 Addresses and descriptors are exchanged through files in <dir>; the result goes to <dir>/result.<rank>
