@@ -73,8 +73,9 @@ class Backend {
 
   // Post writes in order; returns how many were accepted (the rest hit a full queue: retry later).
   virtual size_t PostWrites(int nic, const WriteRequest* writes, size_t n) = 0;
-  // Small control message (handshake) to a peer handle; false when the queue is full.
-  virtual bool PostSend(int nic, uint64_t dest, const void* buf, size_t len, void* context) = 0;
+  // Small control message to a peer handle; false when the queue is full. `bootstrap` marks hello/ack,
+  // which must not depend on the connection they set up (verbs sends them over UD, the rest over RC).
+  virtual bool PostSend(int nic, uint64_t dest, const void* buf, size_t len, void* context, bool bootstrap) = 0;
   virtual void PostRecv(int nic, void* buf, size_t len, void* context) = 0;
   // Appends up to `max` completions of NIC `nic`; returns how many.
   virtual size_t Poll(int nic, std::vector<Completion>* out, size_t max) = 0;

@@ -216,7 +216,7 @@ void EngineCore::SendHandshake(PeerState& peer, Handshake::Type type) {
   h.blob = backend_->LocalConnectBlob(peer.id);
   OpContext* op = NewOp(OpContext::kSend, peer.id, 0);
   op->buffer = h.Serialize();
-  pending_sends_.push_back({0, peer.dest[0], op});
+  pending_sends_.push_back({0, peer.dest[0], op, /*bootstrap=*/true});
 }
 
 void EngineCore::SendControl(uint32_t peer, Handshake::Type type, uint32_t id, const std::string& blob) {
@@ -233,7 +233,7 @@ void EngineCore::SendControl(uint32_t peer, Handshake::Type type, uint32_t id, c
   }
   OpContext* op = NewOp(OpContext::kSend, peer, 0);
   op->buffer = h.Serialize();
-  pending_sends_.push_back({0, dest, op});
+  pending_sends_.push_back({0, dest, op, /*bootstrap=*/false});
 }
 
 std::string EngineCore::CheckOwnDescriptor(const std::string& bytes) const {
@@ -729,7 +729,7 @@ bool EngineCore::PostPending() {
     PendingSend& s = pending_sends_.front();
     bool ok = false;
     try {
-      ok = backend_->PostSend(s.nic, s.dest, s.op->buffer.data(), s.op->buffer.size(), s.op);
+      ok = backend_->PostSend(s.nic, s.dest, s.op->buffer.data(), s.op->buffer.size(), s.op, s.bootstrap);
     } catch (const Error& e) {
       FailPeer(s.op->peer, e.what());
       FreeOp(s.op);

@@ -104,6 +104,7 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
     int nic;
     uint64_t dest;
     OpContext* op;
+    bool bootstrap;  // hello/ack
   };
 
   // Runs `fn` on the progress thread and waits for it (registration, AV inserts). Rethrows its error.

@@ -183,7 +183,7 @@ class OfiBackend final : public Backend {
     return n;
   }
 
-  bool PostSend(int nic, uint64_t dest, const void* buf, size_t len, void* context) override {
+  bool PostSend(int nic, uint64_t dest, const void* buf, size_t len, void* context, bool /*bootstrap*/) override {
     ssize_t rc = fi_send(nics_[nic]->ep.get(), buf, len, MsgDesc(nic, buf, len, FI_SEND, context), dest, context);
     if (rc == -FI_EAGAIN) return false;
     Check(rc, "fi_send");

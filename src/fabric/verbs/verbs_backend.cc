@@ -163,7 +163,7 @@ class VerbsBackend final : public Backend {
     return n;
   }
 
-  bool PostSend(int nic, uint64_t dest, const void* buf, size_t len, void* context) override {
+  bool PostSend(int nic, uint64_t dest, const void* buf, size_t len, void* context, bool bootstrap) override {
     Require(len <= kMsgBytes - kGrh, "verbs: control message too large");
     Nic& n = nics_[nic];
     if (n.free_send_slots.empty()) return false;
@@ -181,10 +181,12 @@ class VerbsBackend final : public Backend {
     wr.send_flags = IBV_SEND_SIGNALED;
     Peer& p = peers_.at(static_cast<uint32_t>(dest));
     ibv_qp* qp;
-    if (p.conn.state() == RcState::kConnected) {
+    if (!bootstrap && p.conn.state() == RcState::kConnected) {
       qp = p.nics[nic].msg;  // reliable once connected
     } else {
-      qp = n.ud;  // bootstrap: unreliable, the engine resends hellos
+      // Hello/ack over UD: the peer's RC QPs may not be ready to receive yet. Unreliable: the engine
+      // resends hellos until acknowledged.
+      qp = n.ud;
       wr.wr.ud.ah = p.nics[nic].ah;
       wr.wr.ud.remote_qpn = p.nics[nic].ud.qpn;
       wr.wr.ud.remote_qkey = p.nics[nic].ud.qkey;
