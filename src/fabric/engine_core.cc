@@ -865,11 +865,15 @@ void EngineCore::ProgressLoop() {
   } catch (const Error& e) {
     JAX_MOE_LOG(kError, "posting handshake receives failed: " << e.what());
   }
-  // Idle policy: spin while anything is in flight or anyone waits (tcp/shm progress is manual, so
-  // data only moves while we poll); otherwise nap with growing sleeps so idle engines cost ~nothing
-  // on small machines. A submission wakes the nap at once.
+  // Idle policy. tcp/shm progress is manual (data only moves while we poll), so we spin while there
+  // is something to post or something happened in the last kHotWindow. Writes in flight or threads
+  // waiting with nothing happening (a slow or dead peer) get short naps, so a lost peer does not pin
+  // a core forever; a truly idle engine naps up to 1 ms. A submission ends any nap at once.
+  constexpr auto kHotWindow = std::chrono::milliseconds(2);
+  constexpr auto kShortNap = std::chrono::microseconds(50);
   uint64_t idle = 0;
   auto nap = std::chrono::microseconds(20);
+  auto last_work = std::chrono::steady_clock::now();
   while (!stop_.load(std::memory_order_relaxed)) {
     bool work = false;
     try {
@@ -883,19 +887,22 @@ void EngineCore::ProgressLoop() {
     if (work) {
       idle = 0;
       nap = std::chrono::microseconds(20);
+      last_work = std::chrono::steady_clock::now();
       continue;
     }
     ++idle;
-    const bool hot = options_.busy_poll || !backlog_.empty() || !pending_sends_.empty() ||
-                     writes_completed_.load() < writes_posted_.load() || imms_.waiters() > 0 ||
-                     active_waiters_.load() > 0;
-    if (hot || idle < 200) {
+    const bool must_spin = options_.busy_poll || !backlog_.empty() || !pending_sends_.empty();
+    if (must_spin || idle < 200 || (idle & 63) != 0 ||
+        std::chrono::steady_clock::now() - last_work < kHotWindow) {  // the clock is read every 64th pass
       if ((idle & 15) == 0) sched_yield();  // share the core with the waiter and other processes
       continue;
     }
+    const bool busy = writes_completed_.load() < writes_posted_.load() || imms_.waiters() > 0 ||
+                      active_waiters_.load() > 0;
     std::unique_lock<std::mutex> lock(sq_mu_);
-    sq_cv_.wait_for(lock, nap, [&] { return sq_nonempty_.load() || stop_.load(); });
-    nap = std::min(nap * 2, std::chrono::microseconds(1000));
+    sq_cv_.wait_for(lock, busy ? std::chrono::microseconds(kShortNap) : nap,
+                    [&] { return sq_nonempty_.load() || stop_.load(); });
+    if (!busy) nap = std::min(nap * 2, std::chrono::microseconds(1000));
   }
 }
 
