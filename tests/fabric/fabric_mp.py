@@ -33,6 +33,17 @@ def needs(provider):
     return pytest.mark.skipif(provider not in AVAILABLE, reason=f"libfabric provider {provider} not built in")
 
 
+def _remove_shm_of(procs):
+    """SIGKILLed shm endpoints leave /dev/shm/<pid>:* behind (16 MB each); clean up after our victims."""
+    for p in procs:
+        try:
+            for name in os.listdir("/dev/shm"):
+                if name.startswith(f"{p.pid}:"):
+                    os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
+
+
 def run_world(tmp_path, n, provider, scenario, num_nics=1, rounds=0, timeout=90.0):
     """Runs `n` workers; returns their JSON results. Kills every child on failure or timeout."""
     d = str(tmp_path)
@@ -75,6 +86,7 @@ def run_world(tmp_path, n, provider, scenario, num_nics=1, rounds=0, timeout=90.
                 pass
         for log in logs:
             log.close()
+        _remove_shm_of([p for p in procs if p.returncode == -9])
     results = {}
     for rank in range(n):
         path = os.path.join(d, f"result.{rank}")

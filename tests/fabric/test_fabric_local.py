@@ -207,3 +207,17 @@ def test_bench_smoke(capsys):
     assert bench.main(["--providers", "tcp", "--peers", "2", "--sizes", "8K", "--warmup", "1", "--iters", "3",
                        "--timeout", "60"]) == 0
     assert "8 KB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+def test_connect_to_closed_engine_fails_in_time(provider):
+    if provider not in AVAILABLE:
+        pytest.skip(f"{provider} not available")
+    a, b = fabric.TransferEngine(provider), fabric.TransferEngine(provider)
+    addr = b.address()
+    b.close()
+    t0 = time.monotonic()
+    with pytest.raises((TimeoutError, ConnectionError), match="peer"):
+        a.connect(addr, 1.0)
+    assert time.monotonic() - t0 < 3.0
+    a.close()

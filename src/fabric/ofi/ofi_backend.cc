@@ -5,6 +5,11 @@
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_rma.h>
 
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <set>
@@ -149,6 +154,7 @@ class OfiBackend final : public Backend {
   }
 
   uint64_t AddPeer(int nic, uint32_t peer, const std::string& raw) override {
+    if (provider_ == "shm") CheckShmPeerAlive(raw);
     fi_addr_t addr = FI_ADDR_NOTAVAIL;
     int rc = fi_av_insert(nics_[nic]->av.get(), raw.data(), 1, &addr, 0, nullptr);
     if (rc != 1) Throw(ErrorCode::kInvalidArgument, "fi_av_insert: " + std::string(fi_strerror(rc < 0 ? -rc : FI_EINVAL)));
@@ -305,6 +311,23 @@ class OfiBackend final : public Backend {
     Check(fi_getname(&nic->ep->fid, name, &len), "fi_getname");
     nic->address.assign(name, len);
     nics_.push_back(std::move(nic));
+  }
+
+  // libfabric 1.17's shm provider crashes in fi_av_insert when the peer's shared-memory region is
+  // gone. Its names are "fi_shm://<pid>:<...>" backed by /dev/shm/<pid>:<...>; refuse early instead.
+  static void CheckShmPeerAlive(const std::string& raw) {
+    std::string name(raw.c_str());  // drop the trailing NUL
+    const std::string prefix = "fi_shm://";
+    if (name.compare(0, prefix.size(), prefix) != 0) return;
+    name = name.substr(prefix.size());
+    const long pid = std::strtol(name.c_str(), nullptr, 10);
+    if (pid > 0 && kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      Throw(ErrorCode::kPeerFailed, "shm peer process " + std::to_string(pid) + " is gone");
+    }
+    struct stat st;
+    if (name.find('/') == std::string::npos && stat(("/dev/shm/" + name).c_str(), &st) != 0) {
+      Throw(ErrorCode::kPeerFailed, "shm peer region /dev/shm/" + name + " does not exist (endpoint closed?)");
+    }
   }
 
   // Control-message buffers need a registration only when the provider asks for FI_MR_LOCAL (efa).
