@@ -78,6 +78,12 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   void WaitImm(uint32_t imm, uint64_t count, double timeout_s);
   void WaitImmFrom(uint32_t imm, const std::vector<uint32_t>& peers, double timeout_s);
   void WaitSends(double timeout_s);
+  bool TryConsumeImm(uint32_t imm, uint64_t count) {
+    CheckOpen();
+    CheckImm(imm);
+    return imms_.Wait(imm, count, Deadline::After(0), nullptr);
+  }
+  uint64_t BankedImm(uint32_t imm) const { return imms_.Banked(imm); }
   std::vector<PeerInfo> Peers() const;
   EngineStats Stats() const;
 

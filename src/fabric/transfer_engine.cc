@@ -72,6 +72,13 @@ void TransferEngine::WaitImmFrom(uint32_t imm, const std::vector<PeerId>& peers,
 
 void TransferEngine::WaitSends(double timeout_s) { core_->WaitSends(timeout_s); }
 
+bool TransferEngine::TryConsumeImm(uint32_t imm, uint64_t count) { return core_->TryConsumeImm(imm, count); }
+uint64_t TransferEngine::BankedImm(uint32_t imm) const { return core_->BankedImm(imm); }
+uint64_t TransferEngine::SendsInFlight() const {
+  EngineStats s = core_->Stats();
+  return s.writes_posted - s.writes_completed;
+}
+
 std::vector<PeerInfo> TransferEngine::Peers() const { return core_->Peers(); }
 EngineStats TransferEngine::Stats() const { return core_->Stats(); }
 

@@ -128,6 +128,12 @@ class TransferEngine {
   // Waits until every write posted so far completed; throws naming peers whose writes failed or hang.
   void WaitSends(double timeout_s);
 
+  // Non-blocking forms for a proxy loop that multiplexes several conditions:
+  // consume `count` immediates `imm` if they are all banked (true), else leave everything (false).
+  bool TryConsumeImm(uint32_t imm, uint64_t count);
+  uint64_t BankedImm(uint32_t imm) const;  // immediates `imm` arrived and not yet consumed
+  uint64_t SendsInFlight() const;          // writes posted and not yet completed
+
   std::vector<PeerInfo> Peers() const;
   EngineStats Stats() const;
   // Stops the progress thread and releases every resource; later calls throw kClosed. Idempotent.

@@ -151,6 +151,9 @@ void RegisterFabric(nb::module_& m) {
            "imm"_a, "peers"_a, "timeout_s"_a)
       .def("wait_sends", [](Engine& s, double timeout_s) { s.e().WaitSends(timeout_s); }, "timeout_s"_a,
            nb::call_guard<nb::gil_scoped_release>())
+      .def("try_consume_imm", [](Engine& s, uint32_t imm, uint64_t count) { return s.e().TryConsumeImm(imm, count); })
+      .def("banked_imm", [](Engine& s, uint32_t imm) { return s.e().BankedImm(imm); })
+      .def("sends_in_flight", [](Engine& s) { return s.e().SendsInFlight(); })
       .def("peers",
            [](Engine& s) {
              nb::list out;

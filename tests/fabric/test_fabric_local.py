@@ -179,6 +179,17 @@ def test_write_scatter_barrier_and_errors(pair):
         b.wait_imm_from(77, [q], 0.1)
     assert a.stats()["write_errors"] == 0
 
+    # Non-blocking forms (what a proxy loop uses from C++).
+    a.barrier(g, 21)
+    a.barrier(g, 21)
+    a.wait_sends(5)
+    deadline = time.monotonic() + 5
+    while b._eng.banked_imm(21) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert not b._eng.try_consume_imm(21, 3)
+    assert b._eng.try_consume_imm(21, 2) and b._eng.banked_imm(21) == 0
+    assert a._eng.sends_in_flight() == 0
+
 
 def test_connect_bad_address(pair):
     a, _ = pair
