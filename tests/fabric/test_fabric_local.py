@@ -232,3 +232,31 @@ def test_connect_to_closed_engine_fails_in_time(provider):
         a.connect(addr, 1.0)
     assert time.monotonic() - t0 < 3.0
     a.close()
+
+
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+def test_engines_with_different_nic_counts(provider):
+    """Engines with 1, 2 and 3 NICs scatter to each other (NIC i talks to the peer's NIC i % its count)."""
+    if provider not in AVAILABLE:
+        pytest.skip(f"{provider} not available")
+    engs = [fabric.TransferEngine(provider, num_nics=k) for k in (1, 2, 3)]
+    try:
+        bufs = [np.zeros(3 * 4096, np.uint8) for _ in engs]
+        srcs = [np.full(4096, i + 1, np.uint8) for i in range(3)]
+        mrs = [e.register(b) for e, b in zip(engs, bufs)]
+        msrc = [e.register(s) for e, s in zip(engs, srcs)]
+        for i, e in enumerate(engs):
+            others = [j for j in range(3) if j != i]
+            g = e.peer_group([e.connect(engs[j].address(), 10) for j in others], [mrs[j].descriptor() for j in others])
+            e.scatter(g, msrc[i], [0, 0], [4096, 4096], [i * 4096, i * 4096], 11)
+        for i, e in enumerate(engs):
+            e.wait_imm(11, 2, 10)
+            e.wait_sends(10)
+            for j in range(3):
+                if j != i:
+                    assert (bufs[i][j * 4096:(j + 1) * 4096] == j + 1).all(), (i, j)
+        assert [len(e.stats()["imms_per_nic"]) for e in engs] == [1, 2, 3]
+        assert engs[1].stats()["imms_per_nic"] == [1, 1]  # its two senders arrive on different NICs
+    finally:
+        for e in engs:
+            e.close()
