@@ -2,26 +2,30 @@
 // (efa, tcp, shm) or libibverbs. This is the API the host proxy and the Python binding use.
 //
 // Typical use (every process):
-//   TransferEngine eng({.provider = "tcp", .num_nics = 1});
+//   EngineOptions opt;
+//   opt.provider = "tcp";
+//   TransferEngine eng(opt);
 //   auto mr = eng.Register(buf, nbytes);                 // host memory (device >= 0: CUDA memory)
 //   publish(eng.Address(), mr->descriptor().Serialize()); // out of band (files, a store, MPI...)
 //   PeerId p = eng.Connect(peer_address, /*timeout_s=*/30);   // blocking handshake
 //   GroupId g = eng.CreatePeerGroup({p, q}, {RegionDescriptor::Parse(dp), RegionDescriptor::Parse(dq)});
-//   eng.Scatter(g, *mr, src_offsets, lengths, dst_offsets, /*imm=*/7);  // one write per member
-//   eng.WaitImm(7, /*count=*/2, /*timeout_s=*/5);        // the writes of 2 peers to *us* landed
+//   eng.Scatter(g, *mr, src_offsets, lengths, dst_offsets, /*n=*/2, /*imm=*/7);  // one write per member
+//   eng.WaitImmFrom(7, {p, q}, /*timeout_s=*/5);         // p's and q's writes to *us* landed
 //   eng.WaitSends(5);                                    // our own writes completed: buffer reusable
 //
 // Semantics
 // - Immediates: the receiver of a write with imm v gets v counted once the data is in its memory.
 //   v is any 32-bit value (max_imm(); only a provider with 4-byte CQ data and no FI_SOURCE limits it
-//   to 20 bits, see imm.h). WaitImm(v, k) consumes k of them; surplus stays
-//   banked (a fast peer's next round is not lost). WaitImmFrom(v, peers) needs one from each peer.
+//   to 20 bits, see imm.h). WaitImm(v, k) consumes k of them from anyone; surplus stays banked (a
+//   fast peer's next round is not lost). WaitImmFrom(v, peers) needs one from each listed peer: use
+//   it (or a different v per round) when the same peers send v every round.
 // - Ordering: none between writes, even to the same peer. Use an immediate per write that matters.
 // - Threads: all methods are thread-safe. Posting is asynchronous: the calling thread validates and
 //   patches templates, then hands the batch to the engine's progress thread (a mutex-guarded vector
 //   swap). Buffers must stay untouched until WaitSends() returns.
 // - Safety: every write is bounds-checked against the local region and the remote descriptor before
-//   it is posted (Error kInvalidArgument); descriptors must come from the peer they are used with.
+//   it is posted (Error kInvalidArgument). A descriptor must come from the peer it is used with, and
+//   that peer confirms it names a live registration (one round trip at its first use, then cached).
 // - Failure: every wait takes a timeout and throws Error(kTimeout) naming the peers that did not
 //   answer; a transfer error marks the peer failed and later operations on it throw kPeerFailed.
 #pragma once
@@ -41,7 +45,7 @@ using PeerId = uint32_t;
 using GroupId = uint32_t;
 
 struct EngineOptions {
-  std::string provider = "auto";  // "auto" (efa, verbs, shm, tcp), "efa", "verbs", "tcp", "shm"
+  std::string provider = "auto";  // "auto" (efa, verbs, tcp, shm), "efa", "verbs", "tcp", "shm"
   int num_nics = 1;               // domains opened; a group's peers are sharded over them
   int progress_cpu = -1;          // pin the progress thread to this core (-1: no pinning)
   bool busy_poll = false;         // never nap when idle (lowest latency, burns a core)
@@ -109,6 +113,8 @@ class TransferEngine {
   PeerId Connect(const std::string& address, double timeout_s = 30.0);
 
   // Fixes an ordered member list and one remote region per member; write templates are built here.
+  // Member i writes through local NIC i % num_nics(). Verifies unseen descriptors with their owners
+  // (30 s bound; kTimeout names silent owners, kInvalidArgument a rejected descriptor).
   GroupId CreatePeerGroup(const std::vector<PeerId>& peers, const std::vector<RegionDescriptor>& regions);
   size_t GroupSize(GroupId group) const;
 
