@@ -8,6 +8,7 @@ dispatch halves so that the later backends overlap it with the transfer.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, Optional
 
 import jax
@@ -21,10 +22,14 @@ import jax_moe
 ACTIVATIONS = ("swiglu", "gelu")
 
 
+_layer_ids = itertools.count()
+
+
 @functools.lru_cache(maxsize=None)
-def communicator_for(num_experts: int, experts_per_token: int, hidden: int, max_tokens: int, mesh: Any,
-                     axis_name: str, backend: str) -> jax_moe.Communicator:
-    """One Communicator per (layer shape, token count, mesh): layers of one model and repeated traces share it."""
+def communicator_for(layer_id: int, num_experts: int, experts_per_token: int, hidden: int, max_tokens: int,
+                     mesh: Any, axis_name: str, backend: str) -> jax_moe.Communicator:
+    """One Communicator per (layer, per-rank token count), reused by every trace: a Communicator serves one MoE
+    layer (native backends keep per-layer buffers and sequence state in it)."""
     cfg = jax_moe.MoEConfig(num_experts, experts_per_token, hidden, max_tokens)
     return jax_moe.Communicator(cfg, mesh, axis_name=axis_name, backend=backend)
 
@@ -77,7 +82,8 @@ class MoE(nnx.Module):
     """Expert-parallel MoE FFN: x [B, ..., hidden] with B sharded over `axis_name` -> (y like x, aux_loss scalar).
 
     hidden, ffn: model and per-expert FFN widths; num_experts E (divisible by the EP size), experts_per_token R.
-    mesh / axis_name / backend: where the experts live; a Communicator is built per per-rank token count (cached).
+    mesh / axis_name / backend: where the experts live; the layer builds its own Communicator per per-rank
+      token count (cached).
     communicator: use this one instead (its mesh, axis and config win; T per rank must stay <= its max_tokens).
     shared_ffn: width of an always-on dense expert (0 = none). activation: "swiglu" (gate+up) or "gelu".
     dtype: compute and output dtype; the wire is bf16 both ways.
@@ -108,6 +114,7 @@ class MoE(nnx.Module):
         self.num_experts, self.experts_per_token = num_experts, experts_per_token
         self.mesh, self.axis_name, self.backend = mesh, axis_name, backend
         self.communicator = communicator
+        self.layer_id = next(_layer_ids)
         self.activation, self.dtype = activation, dtype
 
         def expert_param(shape: tuple[int, int, int], fan_in: int) -> nnx.Param:
@@ -129,8 +136,8 @@ class MoE(nnx.Module):
     def comm_for(self, tokens_per_rank: int) -> jax_moe.Communicator:
         if self.communicator is not None:
             return self.communicator
-        return communicator_for(self.num_experts, self.experts_per_token, self.hidden, tokens_per_rank,
-                                self.mesh, self.axis_name, self.backend)
+        return communicator_for(self.layer_id, self.num_experts, self.experts_per_token, self.hidden,
+                                tokens_per_rank, self.mesh, self.axis_name, self.backend)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         n = self.num_ranks
