@@ -260,3 +260,50 @@ def test_engines_with_different_nic_counts(provider):
     finally:
         for e in engs:
             e.close()
+
+
+def test_concurrent_submitters_and_waiters(pair):
+    """Several threads post and wait on one engine at once (the submission queue is shared)."""
+    a, b = pair
+    threads_n, per_thread, chunk = 4, 50, 256
+    src = np.random.default_rng(1).integers(0, 256, threads_n * chunk, dtype=np.uint8)
+    dst = np.zeros(threads_n * per_thread * chunk, np.uint8)
+    ma, mb = a.register(src), b.register(dst)
+    p = a.connect(b.address(), 10)
+    q = b.connect(a.address(), 10)
+    desc = mb.descriptor()
+    g = a.peer_group([p], [desc])
+    errors = []
+
+    def sender(t):
+        try:
+            for i in range(per_thread):
+                off = (t * per_thread + i) * chunk
+                if i % 2:
+                    a.write(p, ma, t * chunk, chunk, desc, off, imm=1000 + t)
+                else:
+                    a.scatter(g, ma, [t * chunk], [chunk], [off], 1000 + t)
+            a.wait_sends(10)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    def receiver(t):
+        try:
+            b.wait_imm_from(1000 + t, [q], 10) if t % 2 else b.wait_imm(1000 + t, per_thread, 10)
+            if t % 2:
+                b.wait_imm(1000 + t, per_thread - 1, 10)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    ts = [threading.Thread(target=receiver, args=(t,)) for t in range(threads_n)]
+    ts += [threading.Thread(target=sender, args=(t,)) for t in range(threads_n)]
+    for th in ts:
+        th.start()
+    for th in ts:
+        th.join(30)
+    assert not any(th.is_alive() for th in ts)
+    assert not errors, errors
+    for t in range(threads_n):
+        for i in range(per_thread):
+            off = (t * per_thread + i) * chunk
+            assert np.array_equal(dst[off:off + chunk], src[t * chunk:(t + 1) * chunk])
