@@ -53,6 +53,11 @@ EngineCore::EngineCore(const EngineOptions& options) : options_(options) {
   Require(options.num_nics >= 1 && options.num_nics <= 16, "num_nics must be in [1, 16]");
   backend_ = OpenBackend(options.provider, options.num_nics);
   num_nics_ = backend_->num_nics();
+  caps_.provider = backend_->provider();
+  caps_.max_imm = backend_->max_imm();
+  caps_.max_write_bytes = backend_->max_write_bytes();
+  caps_.remote_virt_addr = backend_->remote_virt_addr();
+  caps_.device_memory = backend_->supports_device_memory();
   nonce_ = MakeNonce();
   EngineAddress addr;
   addr.nonce = nonce_;
@@ -69,7 +74,7 @@ void EngineCore::Start() {
 }
 
 void EngineCore::CheckImm(uint64_t imm) const {
-  const uint32_t max = backend_->max_imm();
+  const uint32_t max = caps_.max_imm;
   Require(imm <= max, "imm " + std::to_string(imm) + " out of range: this provider carries immediates in [0, " +
                           std::to_string(max) + "]");
 }
@@ -111,6 +116,8 @@ void EngineCore::RunOnProgress(std::function<void()> fn) {
   auto state = std::make_shared<CallState>();
   {
     std::lock_guard<std::mutex> lock(sq_mu_);
+    // Checked under sq_mu_: Close() fails queued calls under it after the thread stopped.
+    if (stop_.load()) Throw(ErrorCode::kClosed, "TransferEngine is closed");
     sq_calls_.push_back({std::move(fn), state});
     sq_nonempty_ = true;
   }
@@ -141,8 +148,8 @@ std::shared_ptr<MemoryRegion> EngineCore::Register(void* ptr, uint64_t nbytes, i
   Require(ptr != nullptr, "register: null pointer");
   Require(nbytes > 0, "register: empty region");
   Require(reinterpret_cast<uint64_t>(ptr) + nbytes >= reinterpret_cast<uint64_t>(ptr), "register: region wraps");
-  if (device >= 0 && !backend_->supports_device_memory()) {
-    Throw(ErrorCode::kUnavailable, "register: provider '" + backend_->provider() +
+  if (device >= 0 && !caps_.device_memory) {
+    Throw(ErrorCode::kUnavailable, "register: provider '" + caps_.provider +
                                        "' cannot register CUDA device memory (no FI_HMEM support)");
   }
   std::unique_ptr<BackendRegion> br;
@@ -315,8 +322,8 @@ void EngineCore::VerifyDescriptors(const std::vector<uint32_t>& peers, const std
 uint32_t EngineCore::Connect(const std::string& address, double timeout_s) {
   CheckOpen();
   EngineAddress addr = EngineAddress::Parse(address);
-  Require(addr.provider == backend_->provider(),
-          "connect: peer uses provider '" + addr.provider + "', this engine '" + backend_->provider() + "'");
+  Require(addr.provider == caps_.provider,
+          "connect: peer uses provider '" + addr.provider + "', this engine '" + caps_.provider + "'");
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = peer_by_nonce_.find(addr.nonce);
@@ -488,7 +495,7 @@ uint32_t EngineCore::CreateGroup(const std::vector<uint32_t>& peers, const std::
     const int remote_nic = t.nic % p.remote_num_nics;
     t.req.dest = p.dest[t.nic];
     t.req.rkey = d.keys[remote_nic];
-    t.req.remote_addr = backend_->remote_virt_addr() ? d.base : 0;
+    t.req.remote_addr = caps_.remote_virt_addr ? d.base : 0;
     t.imm_slot = p.remote_slot;
     t.remote_size = d.size;
     group->templates.push_back(t);
@@ -539,8 +546,8 @@ void EngineCore::Scatter(uint32_t group, const MemoryRegion* src, const uint64_t
                 "scatter: entry " + std::to_string(i) + " writes [" + std::to_string(doff) + ", +" +
                     std::to_string(len) + ") outside the remote region of " + std::to_string(t.remote_size) +
                     " bytes of " + p.label);
-        Require(len <= backend_->max_write_bytes(), "scatter: entry " + std::to_string(i) + " exceeds the provider's " +
-                                                        std::to_string(backend_->max_write_bytes()) + "-byte write limit");
+        Require(len <= caps_.max_write_bytes, "scatter: entry " + std::to_string(i) + " exceeds the provider's " +
+                                                  std::to_string(caps_.max_write_bytes) + "-byte write limit");
       }
       const void* base = zero_byte ? nullptr : src->data();
       void* desc = zero_byte ? nullptr : local->descs[t.nic];
@@ -582,13 +589,13 @@ void EngineCore::Write(uint32_t peer, const MemoryRegion& src, uint64_t src_offs
     Require(dst.Contains(dst_offset, length), "write: destination range [" + std::to_string(dst_offset) + ", +" +
                                                   std::to_string(length) + ") outside the remote region of " +
                                                   std::to_string(dst.size) + " bytes");
-    Require(length <= backend_->max_write_bytes(), "write: exceeds the provider's write size limit");
+    Require(length <= caps_.max_write_bytes, "write: exceeds the provider's write size limit");
     WriteTemplate t;
     t.peer = peer;
     t.nic = p.nic;
     t.req.dest = p.dest[p.nic];
     t.req.rkey = dst.keys[p.remote_nic];
-    t.req.remote_addr = backend_->remote_virt_addr() ? dst.base : 0;
+    t.req.remote_addr = caps_.remote_virt_addr ? dst.base : 0;
     t.imm_slot = p.remote_slot;
     PatchWrite(t, src.data(), it->second.region->descs[p.nic], src_offset, length, dst_offset, imm, nullptr,
                &writes[0].req);

@@ -59,7 +59,7 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   void Close();
   void CheckOpen() const;  // throws kClosed
   void CheckImm(uint64_t imm) const;  // throws kInvalidArgument
-  uint32_t max_imm() const { return backend_->max_imm(); }
+  uint32_t max_imm() const { return caps_.max_imm; }
 
   const std::string& address() const { return address_; }
   Backend& backend() { return *backend_; }
@@ -139,7 +139,14 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   void WriteDone(OpContext* op, bool ok);
 
   EngineOptions options_;
-  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<Backend> backend_;  // released by Close(): user threads read caps_ instead
+  struct {
+    std::string provider;
+    uint32_t max_imm = 0;
+    uint64_t max_write_bytes = 0;
+    bool remote_virt_addr = false;
+    bool device_memory = false;
+  } caps_;
   int num_nics_ = 1;
   uint64_t nonce_ = 0;
   std::string address_;
