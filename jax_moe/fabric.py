@@ -220,7 +220,7 @@ class TransferEngine:
                         _imm(imm, True, self._max_imm))
 
     # -- waits ------------------------------------------------------------------------------------
-    def wait_imm(self, imm: int, count: int, timeout_s: float) -> None:
+    def wait_imm(self, imm: int, count: int, timeout_s: float = 30.0) -> None:
         """Wait until `count` immediates `imm` arrived and consume them.
 
         Surplus immediates (e.g. a fast peer's next round) stay counted for the next wait.
@@ -230,11 +230,11 @@ class TransferEngine:
             raise ValueError("wait_imm(): count must be >= 0")
         self._eng.wait_imm(_imm(imm, False, self._max_imm), int(count), _timeout(timeout_s))
 
-    def wait_imm_from(self, imm: int, peers: Sequence[int], timeout_s: float) -> None:
+    def wait_imm_from(self, imm: int, peers: Sequence[int], timeout_s: float = 30.0) -> None:
         """Wait for one immediate `imm` from each of `peers` (exact per-peer accounting)."""
         self._eng.wait_imm_from(_imm(imm, False, self._max_imm), [int(p) for p in peers], _timeout(timeout_s))
 
-    def wait_sends(self, timeout_s: float) -> None:
+    def wait_sends(self, timeout_s: float = 30.0) -> None:
         """Wait until every write this engine posted has completed (source buffers reusable)."""
         self._eng.wait_sends(_timeout(timeout_s))
 
