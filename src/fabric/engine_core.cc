@@ -27,7 +27,6 @@ namespace {
 
 constexpr size_t kRecvBuffers = 32;
 constexpr size_t kRecvBytes = 16384;
-constexpr size_t kPostBatch = 64;
 constexpr size_t kPollBatch = 64;
 constexpr std::chrono::milliseconds kHelloResend(500);
 constexpr double kControlTimeoutSeconds = 30.0;  // descriptor checks (peer_group has no timeout argument)
@@ -730,50 +729,85 @@ bool EngineCore::DrainSubmissions() {
   return true;
 }
 
+// Posts queued control messages and writes. A full queue (-FI_EAGAIN) is tracked per (NIC, peer):
+// rxm answers EAGAIN for a peer it cannot connect to (a dead process), and that must not hold back
+// writes to everyone else. After kMaxBlocked distinct refusals in one pass the endpoint itself is
+// probably full; the rest waits for the next pass (after completions were polled).
 bool EngineCore::PostPending() {
+  constexpr size_t kMaxBlocked = 64;
   bool progressed = false;
-  while (!pending_sends_.empty()) {
-    PendingSend& s = pending_sends_.front();
-    bool ok = false;
-    try {
-      ok = backend_->PostSend(s.nic, s.dest, s.op->buffer.data(), s.op->buffer.size(), s.op, s.bootstrap);
-    } catch (const Error& e) {
-      FailPeer(s.op->peer, e.what());
-      FreeOp(s.op);
+  std::vector<uint64_t> blocked;
+  auto key = [](int nic, uint32_t peer) { return (static_cast<uint64_t>(nic) << 32) | peer; };
+  auto is_blocked = [&](uint64_t k) { return std::find(blocked.begin(), blocked.end(), k) != blocked.end(); };
+
+  if (!pending_sends_.empty()) {
+    std::deque<PendingSend> keep;
+    while (!pending_sends_.empty()) {
+      PendingSend s = pending_sends_.front();
       pending_sends_.pop_front();
-      continue;
+      const uint64_t k = key(s.nic, s.op->peer);
+      if (is_blocked(k)) {
+        keep.push_back(s);
+        continue;
+      }
+      bool ok = false;
+      try {
+        ok = backend_->PostSend(s.nic, s.dest, s.op->buffer.data(), s.op->buffer.size(), s.op, s.bootstrap);
+      } catch (const Error& e) {
+        FailPeer(s.op->peer, e.what());
+        FreeOp(s.op);
+        continue;
+      }
+      if (ok) {
+        progressed = true;
+        continue;
+      }
+      blocked.push_back(k);
+      keep.push_back(s);
+      if (blocked.size() >= kMaxBlocked) break;
     }
-    if (!ok) break;
-    pending_sends_.pop_front();
-    progressed = true;
+    while (!pending_sends_.empty()) {
+      keep.push_back(pending_sends_.front());
+      pending_sends_.pop_front();
+    }
+    pending_sends_.swap(keep);
   }
-  WriteRequest batch[kPostBatch];
-  while (!backlog_.empty()) {
-    const int nic = backlog_.front().nic;
-    size_t n = 0;
-    for (auto it = backlog_.begin(); it != backlog_.end() && it->nic == nic && n < kPostBatch; ++it, ++n) {
-      if (it->req.context == nullptr) it->req.context = NewOp(OpContext::kWrite, it->peer, nic);
-      batch[n] = it->req;
-    }
-    size_t posted = 0;
-    std::string error;
-    try {
-      posted = backend_->PostWrites(nic, batch, n);
-    } catch (const Error& e) {
-      error = e.what();
-    }
-    for (size_t i = 0; i < posted; ++i) backlog_.pop_front();
-    if (posted > 0) progressed = true;
-    if (!error.empty()) {
-      // The write at the head could not be posted at all: it completes as failed.
+
+  if (!backlog_.empty()) {
+    blocked.clear();
+    std::deque<PendingWrite> keep;
+    while (!backlog_.empty()) {
       PendingWrite w = backlog_.front();
       backlog_.pop_front();
-      FailPeer(w.peer, error);
-      WriteDone(static_cast<OpContext*>(w.req.context), false);
-      progressed = true;
-      continue;
+      const uint64_t k = key(w.nic, w.peer);
+      if (is_blocked(k)) {
+        keep.push_back(w);
+        continue;
+      }
+      if (w.req.context == nullptr) w.req.context = NewOp(OpContext::kWrite, w.peer, w.nic);
+      size_t posted = 0;
+      try {
+        posted = backend_->PostWrites(w.nic, &w.req, 1);
+      } catch (const Error& e) {
+        // This write cannot be posted at all: it completes as failed and marks its peer.
+        FailPeer(w.peer, e.what());
+        WriteDone(static_cast<OpContext*>(w.req.context), false);
+        progressed = true;
+        continue;
+      }
+      if (posted == 1) {
+        progressed = true;
+        continue;
+      }
+      blocked.push_back(k);
+      keep.push_back(w);
+      if (blocked.size() >= kMaxBlocked) break;
     }
-    if (posted < n) break;  // queue full: poll completions, then retry
+    while (!backlog_.empty()) {
+      keep.push_back(backlog_.front());
+      backlog_.pop_front();
+    }
+    backlog_.swap(keep);
   }
   return progressed;
 }
@@ -898,14 +932,15 @@ void EngineCore::ProgressLoop() {
       continue;
     }
     ++idle;
-    const bool must_spin = options_.busy_poll || !backlog_.empty() || !pending_sends_.empty();
-    if (must_spin || idle < 200 || (idle & 63) != 0 ||
+    if (options_.busy_poll || idle < 200 || (idle & 63) != 0 ||
         std::chrono::steady_clock::now() - last_work < kHotWindow) {  // the clock is read every 64th pass
       if ((idle & 15) == 0) sched_yield();  // share the core with the waiter and other processes
       continue;
     }
+    // Unposted work (a peer refusing with EAGAIN) also only earns short naps: retrying it in a
+    // tight loop would pin a core for as long as that peer stays dead.
     const bool busy = writes_completed_.load() < writes_posted_.load() || imms_.waiters() > 0 ||
-                      active_waiters_.load() > 0;
+                      active_waiters_.load() > 0 || !backlog_.empty() || !pending_sends_.empty();
     std::unique_lock<std::mutex> lock(sq_mu_);
     sq_cv_.wait_for(lock, busy ? std::chrono::microseconds(kShortNap) : nap,
                     [&] { return sq_nonempty_.load() || stop_.load(); });
