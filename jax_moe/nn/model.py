@@ -136,7 +136,8 @@ class MoELM(nnx.Module):
 
     def decode_step(self, tokens: jax.Array, caches: list[KVCache], pos: jax.Array
                     ) -> tuple[jax.Array, list[KVCache]]:
-        """tokens [B] at position pos (same for every row) -> next-token logits [B, V] and the updated caches."""
+        """tokens [B] at position pos (same for every row, < the cache's max_len) -> next-token logits [B, V] and
+        the updated caches."""
         logits, _, caches = self._forward(tokens[:, None], caches, jnp.asarray(pos, jnp.int32))
         return logits[:, 0], caches
 
