@@ -1,0 +1,296 @@
+"""Backend "cuda": dispatch/combine kernels as XLA FFI custom calls, rows pushed over NVLink inside a node.
+
+Every Communicator gets, on each of its GPUs, one buffer sized for the worst case (see `buffer_bytes`): per sender a
+receive area of C = max_tokens * min(R, L) records, the counts and an epoch flag, plus the combine area of
+max_tokens * R rows. Ranks map each other's buffers (peer access when one process drives several GPUs, CUDA IPC through
+the jax.distributed key-value store when each GPU has its own process) and synchronise with epoch flags in peer
+memory: no host round trip per call. Rows land bit-exactly in the layout of the reference backend "xla".
+docs/cuda.md has the protocol; src/kernels holds the kernels and src/ffi/cuda the handlers.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import weakref
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moe.backends.base import Backend
+
+_TARGETS = ("jax_moe_cuda_dispatch_send", "jax_moe_cuda_dispatch_recv", "jax_moe_cuda_combine_send",
+            "jax_moe_cuda_combine_recv", "jax_moe_cuda_timestamp")
+_registered = False
+_lock = threading.Lock()
+_PEER_SELF, _PEER_LOCAL, _PEER_IPC = 0, 1, 2
+
+
+def _native():
+    """(jax_moe._core.cuda, None) or (None, why not)."""
+    try:
+        from jax_moe import _core
+    except ImportError as e:  # pragma: no cover - depends on the build
+        return None, f"the native extension jax_moe._core is not built ({e})"
+    mod = getattr(_core, "cuda", None)
+    if mod is None:
+        return None, "jax_moe._core was built without CUDA (no nvcc at build time)"
+    return mod, None
+
+
+def _register() -> None:
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        mod, why = _native()
+        if mod is None:
+            raise RuntimeError(why)
+        for name, capsule in mod.handlers().items():
+            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+        _registered = True
+
+
+def timeout_s() -> float:
+    """Bound of every wait on a peer inside the kernels (JAX_MOE_CUDA_TIMEOUT_S, default 60 s)."""
+    return float(os.environ.get("JAX_MOE_CUDA_TIMEOUT_S", "60"))
+
+
+def buffer_bytes(cfg, num_ranks: int) -> int:
+    """Bytes of the buffer the cuda backend allocates on each GPU of a Communicator with this config."""
+    mod, why = _native()
+    if mod is None:
+        raise RuntimeError(why)
+    l = cfg.num_experts // num_ranks
+    return int(mod.buffer_bytes(num_ranks, l, cfg.experts_per_token, cfg.max_tokens, cfg.hidden,
+                                np.dtype(cfg.dispatch_dtype).itemsize, cfg.num_scales,
+                                np.dtype(cfg.combine_dtype).itemsize))
+
+
+def timestamp(a: jax.Array, dep: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(a, t): `a` passed through (aliased, no copy) and the device time in ns once all work before it has finished.
+
+    Feed the returned `a` to the next operation so that it runs after the stamp; `dep` orders the stamp after its
+    producer. GPU only; used by the benchmark.
+    """
+    _register()
+    return jax.ffi.ffi_call("jax_moe_cuda_timestamp",
+                            (jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct((1,), jnp.uint64)),
+                            has_side_effect=True, input_output_aliases={0: 0})(a, dep)
+
+
+def _combine_channel() -> int:
+    """1 inside dispatch's backward pass (jax_moe.api._dispatch_recv_bwd), else 0.
+
+    The forward combine and the backward one get separate areas and epochs on the device: XLA may run the forward
+    combine_recv (whose output only feeds the loss) after the backward combine_send, which would otherwise deadlock.
+    """
+    frame = sys._getframe(2)
+    for _ in range(3):
+        if frame is None:
+            break
+        if frame.f_code.co_name == "_dispatch_recv_bwd":
+            return 1
+        frame = frame.f_back
+    return 0
+
+
+def _vma(a) -> frozenset:
+    """The mesh axes `a` varies over inside shard_map (empty outside, or where JAX does not track it)."""
+    aval = jax.typeof(a)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(vma or ())
+
+
+def _as_varying(out, axes: frozenset):
+    """Marks FFI results as varying over `axes`.
+
+    jax.ffi.ffi_call gives its results no varying axes, so inside shard_map JAX would take them as replicated over
+    the EP axis, and reverse-mode AD would then psum the cotangents that reach them across ranks (wrong gradients
+    with more than one rank). The results are per rank: say so. pcast's transpose is never taken here, since the
+    halves sit inside the custom_vjp of jax_moe.api.
+    """
+    missing = tuple(sorted(ax for ax in axes if ax not in _vma(out)))
+    if not missing:
+        return out
+    try:
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(out, missing, to="varying")
+        if hasattr(jax.lax, "pvary"):  # jax < 0.10
+            return jax.lax.pvary(out, missing)
+    except (ValueError, TypeError, NotImplementedError):  # already varying where JAX tracks it differently
+        pass
+    return out
+
+
+def _kv_client():
+    try:
+        from jax._src.distributed import global_state  # private: the only handle on the key-value store
+    except ImportError:  # pragma: no cover
+        return None
+    return getattr(global_state, "client", None)
+
+
+class SendState(NamedTuple):
+    handle: jax.Array  # int32 [4], written by the send kernel; orders dispatch_recv after it
+
+
+class Route(NamedTuple):
+    route: jax.Array  # int32 [M + 1]: source rank * max_tokens * R + t * R + k of every expert_x row; [M] = rows
+
+
+class CombineState(NamedTuple):
+    handle: jax.Array
+
+
+class SlotsState(NamedTuple):
+    slots: jax.Array  # [T, R, hidden]: the rows of every (t, k), from the reference path (see backward_combine)
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    # The combine inside dispatch's gradient: "cuda" (channel 1 of the kernels) or "reference" (the "xla" backend's
+    # per-slot path). JAX_MOE_CUDA_BACKWARD_COMBINE overrides.
+    backward_combine = os.environ.get("JAX_MOE_CUDA_BACKWARD_COMBINE", "cuda")
+
+    @staticmethod
+    def unavailable_reason() -> Optional[str]:
+        mod, why = _native()
+        if mod is None:
+            return why
+        try:
+            if not jax.devices("gpu"):
+                return "JAX sees no GPU"
+        except RuntimeError:
+            return "JAX has no GPU backend on this machine"
+        return None
+
+    def __init__(self, comm):
+        super().__init__(comm)
+        cfg = self.cfg
+        if comm.platform not in ("gpu", "cuda"):
+            raise ValueError(f"backend 'cuda' needs a mesh of GPUs, this mesh is on {comm.platform!r}")
+        x_bytes = cfg.hidden * np.dtype(cfg.dispatch_dtype).itemsize
+        if x_bytes % 16 or (cfg.hidden * 2) % 16:
+            raise ValueError(f"backend 'cuda' needs hidden * itemsize to be a multiple of 16 bytes "
+                             f"(hidden={cfg.hidden}); use hidden divisible by 16")
+        _register()
+        self._mod, _ = _native()
+        self._n = comm.num_ranks
+        self._l = comm.num_local_experts
+        self._group = int(comm.id)
+        self.bytes_per_device = buffer_bytes(cfg, self._n)
+        self._connect()
+        finalizer = weakref.finalize(self, self._mod.destroy_group, self._group)
+        finalizer.atexit = False  # at exit the process goes away with its CUDA context
+
+    # --- set-up -------------------------------------------------------------------------------------------------
+    def _rank_table(self) -> np.ndarray:
+        """[groups, N] devices: row = one EP group (the other mesh axes fixed), column = rank on the comm's axis."""
+        mesh = self.comm.mesh
+        names = list(mesh.axis_names)
+        axes = [self.comm.axis_name] if isinstance(self.comm.axis_name, str) else list(self.comm.axis_name)
+        src = [names.index(a) for a in axes]
+        devs = np.moveaxis(np.asarray(mesh.devices), src, list(range(len(names) - len(axes), len(names))))
+        return devs.reshape(-1, self._n)
+
+    def _connect(self) -> None:
+        cfg, mod, gid = self.cfg, self._mod, self._group
+        me = jax.process_index()
+        table = self._rank_table()
+        local = [(int(d.local_hardware_id), r) for row in table for r, d in enumerate(row) if d.process_index == me]
+        mod.create_group(gid, self._n, self._l, cfg.experts_per_token, cfg.max_tokens, cfg.hidden,
+                         np.dtype(cfg.dispatch_dtype).itemsize, cfg.num_scales, np.dtype(cfg.combine_dtype).itemsize,
+                         local, timeout_s())
+        remote = any(d.process_index != me for row in table for d in row)
+        host = socket.gethostname()
+        kv = _kv_client() if remote else None
+        if remote and kv is None:
+            raise RuntimeError("backend 'cuda': ranks in other processes need jax.distributed.initialize()")
+        prefix = f"jax_moe/cuda/{gid}/{cfg.describe()}/{self._n}"
+        if remote:
+            for row in table:
+                for d in row:
+                    if d.process_index == me:
+                        blob = host.encode() + b"\0" + mod.export_buffer(gid, int(d.local_hardware_id))
+                        kv.key_value_set_bytes(f"{prefix}/{d.id}", blob, allow_overwrite=True)
+        wait_ms = int(max(timeout_s(), 10) * 1000)
+        for row in table:
+            for r, d in enumerate(row):
+                if d.process_index != me:
+                    continue
+                peers = []
+                for q, p in enumerate(row):
+                    if p is d or p.id == d.id:
+                        peers.append((q, _PEER_SELF, -1, b""))
+                    elif p.process_index == me:
+                        peers.append((q, _PEER_LOCAL, int(p.local_hardware_id), b""))
+                    else:
+                        blob = kv.blocking_key_value_get_bytes(f"{prefix}/{p.id}", wait_ms)
+                        peer_host, handle = blob.split(b"\0", 1)
+                        if peer_host.decode() != host:
+                            raise NotImplementedError(
+                                f"backend 'cuda': rank {q} is on host {peer_host.decode()!r}, not {host!r}; ranks on "
+                                "other nodes (through the host proxy) are not supported yet")
+                        peers.append((q, _PEER_IPC, -1, handle))
+                mod.connect(gid, int(d.local_hardware_id), peers)
+
+    def take_errors(self) -> list[str]:
+        """Reads and clears the error words of this process's devices (call after the results are ready)."""
+        me = jax.process_index()
+        return [e for row in self._rank_table() for d in row if d.process_index == me
+                for e in [self._mod.take_error(self._group, int(d.local_hardware_id))] if e]
+
+    # --- the four halves ------------------------------------------------------------------------------------------
+    def _call(self, name, results, *args, **attrs):
+        # Never differentiated itself (the custom_vjp of jax_moe.api supplies gradients): no tangents in.
+        args = tuple(jax.lax.stop_gradient(a) for a in args)
+        outs = jax.ffi.ffi_call(name, results, has_side_effect=True)(*args, group=np.int64(self._group), **attrs)
+        axes = frozenset((self.comm.axis_name,) if isinstance(self.comm.axis_name, str) else self.comm.axis_name)
+        axes = axes.union(*[_vma(a) for a in args])
+        if isinstance(outs, (tuple, list)):
+            return type(outs)(_as_varying(o, axes) for o in outs)
+        return _as_varying(outs, axes)
+
+    def dispatch_send(self, x, x_scale, topk_idx) -> SendState:
+        scale = x_scale if x_scale is not None else jnp.zeros((1, 1), jnp.float32)
+        handle = self._call("jax_moe_cuda_dispatch_send", jax.ShapeDtypeStruct((4,), jnp.int32), x, scale,
+                            topk_idx.astype(jnp.int32), has_scale=x_scale is not None)
+        return SendState(handle)
+
+    def dispatch_recv(self, state: SendState):
+        cfg, m = self.cfg, self.comm.max_recv_rows
+        fp8 = cfg.num_scales > 0
+        results = (jax.ShapeDtypeStruct((m, cfg.hidden), cfg.dispatch_dtype),
+                   jax.ShapeDtypeStruct((m, cfg.num_scales) if fp8 else (1, 1), jnp.float32),
+                   jax.ShapeDtypeStruct((self._l,), jnp.int32),
+                   jax.ShapeDtypeStruct((m + 1,), jnp.int32))
+        x, scale, counts, route = self._call("jax_moe_cuda_dispatch_recv", results, state.handle, has_scale=fp8)
+        return x, (scale if fp8 else None), counts, Route(route)
+
+    def combine_send(self, expert_y, route, topk_idx):
+        channel = _combine_channel()
+        if channel == 1 and self.backward_combine == "reference":
+            return SlotsState(self.comm._reference.combine_slots(expert_y, None, topk_idx))
+        if not isinstance(route, Route):
+            raise TypeError("backend 'cuda': combine_send needs the Dispatched of this backend's dispatch")
+        handle = self._call("jax_moe_cuda_combine_send", jax.ShapeDtypeStruct((4,), jnp.int32),
+                            expert_y.astype(self.cfg.combine_dtype), route.route, channel=np.int64(channel))
+        return CombineState(handle)
+
+    def combine_recv(self, state, topk_weights, topk_idx):
+        if isinstance(state, SlotsState):
+            from jax_moe.backends.xla import sanitize_topk
+
+            valid = sanitize_topk(topk_idx, self.cfg.num_experts) >= 0
+            w = jnp.where(valid, topk_weights.astype(jnp.float32), 0.0)
+            y = state.slots.astype(jnp.float32)
+            return jnp.einsum("trh,tr->th", y, w, precision=jax.lax.Precision.HIGHEST).astype(self.cfg.combine_dtype)
+        out = jax.ShapeDtypeStruct((topk_idx.shape[0], self.cfg.hidden), self.cfg.combine_dtype)
+        return self._call("jax_moe_cuda_combine_recv", out, state.handle, topk_weights.astype(jnp.float32),
+                          topk_idx.astype(jnp.int32), channel=np.int64(_combine_channel()))

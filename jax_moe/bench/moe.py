@@ -1,0 +1,412 @@
+"""`python -m jax_moe.bench moe`: dispatch/combine latency of jax_moe backends against XLA doing the same job.
+
+On GPUs every iteration is timed on the device: a tiny FFI op stamps %globaltimer between the halves (it passes its
+input through, aliased, so it sits in the data-dependency chain). Iterations are unrolled inside one program so the
+ranks stay in step; p50/p99 over >= 1000 iterations after a warm-up. On CPUs (backends "cpu" and "xla") the halves are
+timed by the host clock around whole programs. Besides the jax_moe backends, "xla-ragged" is MaxText's way on GPU:
+sort by expert, `ragged_all_to_all`, local permute, and back. Prints a table; writes results.json and moe.png to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_moe
+from jax_moe import payload
+from jax_moe.types import CombineHandle, DispatchHandle
+
+SHAPES = {  # name: (tokens per rank, hidden, experts, top-k, fp8 dispatch)
+    "small": (64, 512, 32, 4, True),
+    "decode": (128, 7168, 256, 8, True),
+    "prefill": (4096, 7168, 256, 8, True),
+}
+SWEEP = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096)
+PHASES = ("dispatch_send", "dispatch_recv", "dispatch", "combine_send", "combine_recv", "combine")
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m jax_moe.bench moe", description=__doc__.split("\n")[0])
+    p.add_argument("--backend", default=None, help="comma list of cuda, cpu, xla, xla-ragged (default: by platform)")
+    p.add_argument("--shape", default=None, help="comma list of small, decode, prefill, sweep (default: by platform)")
+    p.add_argument("--ranks", type=int, default=None, help="EP ranks (default: every device of the platform)")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (default 1000 on GPU, 20 on CPU)")
+    p.add_argument("--sweep-iters", type=int, default=None, help="iterations per sweep point (default iters / 4)")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up programs before timing")
+    p.add_argument("--unroll", type=int, default=25, help="iterations per program on GPU")
+    p.add_argument("--out", default="bench_out", help="folder for results.json and moe.png")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu-devices", type=int, default=4, help="simulated CPU devices (CPU platform only)")
+    return p.parse_args(argv)
+
+
+# --- inputs -------------------------------------------------------------------------------------------------------
+def _inputs(rng, n, t, hidden, e, r, fp8):
+    idx = np.stack([rng.permutation(e)[:r] for _ in range(n * t)]).astype(np.int32)  # uniform top-k, none masked
+    x = rng.standard_normal((n * t, hidden)).astype(np.float32)
+    w = rng.random((n * t, r)).astype(np.float32)
+    if fp8:
+        q, s = jax_moe.quantize_fp8(jnp.asarray(x))
+        return np.asarray(q), np.asarray(s), idx, w
+    return np.asarray(x.astype(jnp.bfloat16)), None, idx, w
+
+
+def _remote_rows(idx, n, t, l):
+    """Mean over ranks of the (token, k) rows each rank sends to other ranks."""
+    per = idx.reshape(n, t, -1)
+    return float(np.mean([np.sum((per[s] // l != s) & (per[s] >= 0)) for s in range(n)]))
+
+
+# --- device-side stamps --------------------------------------------------------------------------------------------
+def _stamp_tree(tree, stamp):
+    """Stamps after the first leaf of `tree` (with its last leaf as dependency); returns (tree', t)."""
+    leaves, tdef = jax.tree_util.tree_flatten(tree)
+    leaves[0], t = stamp(leaves[0], leaves[-1])
+    return jax.tree_util.tree_unflatten(tdef, leaves), t
+
+
+def _api_iteration(comm, stamp, x, xs, idx, w, dep):
+    """One dispatch + combine through the jax_moe API with 7 stamps: [start, send, recv, (expert), send, recv]."""
+    x, t0 = stamp(x, dep)
+    h = comm.dispatch_send(x, idx, x_scale=xs)
+    state, t1 = _stamp_tree(h._state, stamp)
+    d = comm.dispatch_recv(DispatchHandle(h._x, h._x_scale, h._topk_idx, state, h._comm_id))
+    ex, t2 = stamp(d.expert_x, d.expert_counts)
+    y = ex.astype(comm.cfg.combine_dtype)  # the experts' stand-in: fp8 -> bf16, not timed
+    y, t3 = stamp(y, y)
+    c = comm.combine_send(y, d)
+    cstate, t4 = _stamp_tree(c._state, stamp)
+    out = comm.combine_recv(CombineHandle(c._expert_y, c._dispatched, cstate, c._comm_id), w)
+    out, t5 = stamp(out, out)
+    return out, jnp.concatenate([t0, t1, t2, t3, t4, t5])
+
+
+def _ragged_iteration(n, l, axis, stamp, x, xs, idx, w, dep):
+    """MaxText's EP path (src/maxtext/layers/moe.py): sort by expert, ragged_all_to_all, local permute, and back."""
+    t, r = idx.shape
+    e = n * l
+    me = jax.lax.axis_index(axis)
+    x, t0 = stamp(x, dep)
+    rows = payload.pack_rows(x, xs)
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sorted_rows = jnp.take(rows, order // r, axis=0)
+    group = jnp.bincount(flat, length=e).astype(jnp.int32)
+    send_sizes = group.reshape(n, l).sum(1)
+    all_sizes = jax.lax.all_gather(send_sizes, axis)                    # [src, dst]
+    input_offsets = jnp.cumsum(send_sizes) - send_sizes
+    output_offsets = (jnp.cumsum(all_sizes, axis=0) - all_sizes)[me]   # where my rows start on each receiver
+    recv_sizes = all_sizes[:, me]
+    m = n * t * r
+    buf = jax.lax.ragged_all_to_all(sorted_rows, jnp.zeros((m, rows.shape[1]), rows.dtype), input_offsets,
+                                    send_sizes, output_offsets, recv_sizes, axis_name=axis)
+    all_groups = jax.lax.all_gather(group, axis).reshape(n, n, l)[:, me]  # [src, local expert]
+    ids = jnp.repeat(jnp.tile(jnp.arange(l), n), all_groups.reshape(-1), total_repeat_length=m)
+    valid = jnp.arange(m) < jnp.sum(recv_sizes)
+    perm = jnp.argsort(jnp.where(valid, ids, l), stable=True)
+    expert_rows = jnp.take(buf, perm, axis=0)
+    ex, sc = payload.unpack_rows(expert_rows, x.dtype, x.shape[1], 0 if xs is None else xs.shape[1])
+    ex, t2 = stamp(ex, ex if sc is None else sc)
+    y = ex.astype(jnp.bfloat16)
+    y, t3 = stamp(y, y)
+    back = jnp.zeros_like(y).at[perm].set(y)
+    back_sizes = recv_sizes
+    back_in = jnp.cumsum(back_sizes) - back_sizes
+    back_out = (jnp.cumsum(all_sizes, axis=1) - all_sizes)[:, me]       # where each source expects my rows
+    ret = jax.lax.ragged_all_to_all(back, jnp.zeros((t * r, y.shape[1]), y.dtype), back_in, back_sizes,
+                                    back_out, send_sizes, axis_name=axis)
+    slots = jnp.zeros_like(ret).at[order].set(ret).reshape(t, r, -1).astype(jnp.float32)
+    out = jnp.einsum("trh,tr->th", slots, w).astype(jnp.bfloat16)
+    out, t5 = stamp(out, out)
+    return out, jnp.concatenate([t0, t0, t2, t3, t3, t5])
+
+
+def _busy(x):
+    """~10 ms of matrix products that the first iteration waits for: the host enqueues the unrolled iterations
+    meanwhile, so the stamps measure the GPU, not the rate at which XLA launches kernels."""
+    a = jnp.full((8192, 8192), 1e-3, jnp.bfloat16) * x.reshape(-1)[0].astype(jnp.bfloat16)
+    for _ in range(8):
+        a = (a @ a) * jnp.bfloat16(1e-3)
+    return jnp.sum(a[:1, :1]).astype(jnp.float32)
+
+
+def _gpu_run(kind, comm_or_none, mesh, n, l, inputs, iters, unroll, warmup):
+    from jax_moe.backends.cuda import timestamp
+
+    axis = mesh.axis_names[0]
+    x, xs, idx, w = inputs
+
+    def body(x, xs, idx, w):
+        out, stamps = _busy(x), []
+        for _ in range(unroll):
+            dep = out
+            if kind == "xla-ragged":
+                out, s = _ragged_iteration(n, l, axis, timestamp, x, xs, idx, w, dep)
+            else:
+                out, s = _api_iteration(comm_or_none, timestamp, x, xs, idx, w, dep)
+            stamps.append(s)
+        return jnp.stack(stamps)[None]
+
+    specs = (P(axis), None if xs is None else P(axis), P(axis), P(axis))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(axis), check_vma=False))
+    sh = NamedSharding(mesh, P(axis))
+    args = [None if a is None else jax.device_put(a, sh) for a in (x, xs, idx, w)]
+    for _ in range(warmup):
+        jax.block_until_ready(f(*args))
+    chunks = []
+    for _ in range(max(1, math.ceil(iters / unroll))):
+        chunks.append(f(*args))
+    stamps = np.concatenate([np.asarray(c).astype(np.int64) for c in chunks], axis=1)  # [n, iters, 6]
+    d = np.diff(stamps, axis=-1) / 1e3  # us: send, recv, expert stand-in, send, recv
+    per = {"dispatch_send": d[..., 0], "dispatch_recv": d[..., 1], "combine_send": d[..., 3],
+           "combine_recv": d[..., 4]}
+    per["dispatch"] = per["dispatch_send"] + per["dispatch_recv"]
+    per["combine"] = per["combine_send"] + per["combine_recv"]
+    if kind == "xla-ragged":  # no split into halves there
+        for k in ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv"):
+            per[k] = np.full_like(per[k], np.nan)
+    # The slowest rank sets the pace of a collective step: take the max over ranks per iteration.
+    out = {k: v.max(axis=0) for k, v in per.items()}
+    out["per_rank_p50"] = {k: [float(np.nanmedian(v[q])) if np.isfinite(v[q]).any() else None for q in range(n)]
+                           for k, v in per.items()}
+    return out
+
+
+def _cpu_run(comm, mesh, inputs, iters, warmup):
+    axis = mesh.axis_names[0]
+    x, xs, idx, w = inputs
+
+    def disp(x, xs, idx):
+        return comm.dispatch(x, idx, x_scale=xs).expert_x
+
+    def both(x, xs, idx, w):
+        d = comm.dispatch(x, idx, x_scale=xs)
+        return comm.combine(d.expert_x.astype(comm.cfg.combine_dtype), w, d)
+
+    specs = (P(axis), None if xs is None else P(axis), P(axis))
+    fd = jax.jit(jax.shard_map(disp, mesh=mesh, in_specs=specs, out_specs=P(axis)))
+    fb = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=specs + (P(axis),), out_specs=P(axis)))
+    sh = NamedSharding(mesh, P(axis))
+    args = [None if a is None else jax.device_put(a, sh) for a in (x, xs, idx, w)]
+    for _ in range(warmup + 1):
+        jax.block_until_ready(fd(*args[:3]))
+        jax.block_until_ready(fb(*args))
+    td, tb = [], []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fd(*args[:3]))
+        td.append((time.perf_counter() - t) * 1e6)
+        t = time.perf_counter()
+        jax.block_until_ready(fb(*args))
+        tb.append((time.perf_counter() - t) * 1e6)
+    td, tb = np.asarray(td), np.asarray(tb)
+    nan = np.full_like(td, np.nan)
+    return {"dispatch_send": nan, "dispatch_recv": nan, "dispatch": td, "combine_send": nan, "combine_recv": nan,
+            "combine": np.maximum(tb - td, 0)}
+
+
+def _summary(samples):
+    out = {}
+    for k in PHASES:
+        v = samples[k]
+        ok = v[np.isfinite(v)]
+        out[k] = {"p50": float(np.percentile(ok, 50)) if ok.size else None,
+                  "p99": float(np.percentile(ok, 99)) if ok.size else None}
+    out["iters"] = int(samples["dispatch"].size)
+    if "per_rank_p50" in samples:
+        out["per_rank_p50"] = samples["per_rank_p50"]
+    return out
+
+
+def _fmt(v):
+    return "-" if v is None else (f"{v:9.1f}" if v < 1e5 else f"{v:9.2e}")
+
+
+def _peer_bandwidth(platform, n):
+    if platform != "gpu":
+        return None
+    try:
+        from jax_moe.backends.cuda import _native
+
+        mod, _ = _native()
+        if mod is None:
+            return None
+        devs = jax.devices("gpu")
+        size = 256 << 20
+        res = {"d2d_local_GBps": mod.peer_copy_bandwidth(devs[0].local_hardware_id, devs[0].local_hardware_id,
+                                                           size, 20) / 1e9}
+        if n > 1 and len(devs) > 1:
+            res["peer_GBps"] = mod.peer_copy_bandwidth(devs[0].local_hardware_id, devs[1].local_hardware_id,
+                                                       size, 20) / 1e9
+        return res
+    except Exception as e:  # noqa: BLE001 - a missing number must not stop the benchmark
+        print(f"[moe] peer bandwidth not measured: {e}", file=sys.stderr)
+        return None
+
+
+def _write(out, meta, results):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+
+
+def _plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    sweep = [r for r in results if r["shape"].startswith("sweep")]
+    rows = sweep or results
+    for ax, phase in zip(axes, ("dispatch", "combine")):
+        for backend in sorted({r["backend"] for r in rows}):
+            pts = sorted((r["tokens"], r["stats"][phase]["p50"]) for r in rows
+                         if r["backend"] == backend and r["stats"][phase]["p50"] is not None)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=backend)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per rank")
+        ax.set_ylabel(f"{phase} p50 (us)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle("jax_moe dispatch / combine latency")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv) -> int:
+    args = _parse(list(argv))
+    try:  # only takes effect before JAX starts its backends; harmless on GPU machines
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    except RuntimeError:
+        pass
+    platform = jax.default_backend()
+    gpu = platform == "gpu"
+    backends = (args.backend or ("cuda,xla,xla-ragged" if gpu else "cpu,xla")).split(",")
+    shapes = (args.shape or ("decode,prefill,sweep" if gpu else "small")).split(",")
+    iters = args.iters or (1000 if gpu else 20)
+    sweep_iters = args.sweep_iters or max(50, iters // 4)
+    devices = jax.devices()
+    n = args.ranks or len(devices)
+    if n > len(devices):
+        print(f"[moe] --ranks {n}: only {len(devices)} {platform} devices", file=sys.stderr)
+        return 2
+    mesh = jax.make_mesh((n,), ("ep",), devices=devices[:n])
+    rng = np.random.default_rng(args.seed)
+    bw = _peer_bandwidth(platform, n)
+    print(f"[moe] platform={platform} ranks={n} devices={devices[0].device_kind} backends={backends} "
+          f"shapes={shapes} peer bandwidth={bw}", flush=True)
+
+    points = []
+    for s in shapes:
+        if s == "sweep":
+            t_list = [t for t in SWEEP if gpu or t <= 256]
+            base = SHAPES["decode"] if gpu else SHAPES["small"]
+            points += [(f"sweep", t, base[1:], sweep_iters) for t in t_list]
+        elif s in SHAPES:
+            points.append((s, SHAPES[s][0], SHAPES[s][1:], iters))
+        else:
+            print(f"[moe] unknown shape {s!r}", file=sys.stderr)
+            return 2
+
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "platform": platform,
+            "device_kind": devices[0].device_kind, "ranks": n, "jax": jax.__version__, "argv": list(argv),
+            "peer_bandwidth": bw, "times_in": "microseconds; per iteration the max over ranks"}
+    results = []
+    skipped = set()
+    for shape, t, (hidden, e, r, fp8), its in points:
+        if e % n:
+            print(f"[moe] skip {shape}: {e} experts not divisible by {n} ranks")
+            continue
+        l = e // n
+        cfg = jax_moe.MoEConfig(e, r, hidden, t, dispatch_dtype=jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
+        inputs = _inputs(rng, n, t, hidden, e, r, fp8)
+        remote_rows = _remote_rows(inputs[2], n, t, l)
+        disp_bytes = remote_rows * (hidden * (1 if fp8 else 2) + cfg.num_scales * 4)
+        comb_bytes = remote_rows * hidden * 2
+        for backend in backends:
+            if backend in skipped:
+                continue
+            comm = None
+            try:
+                if backend == "xla-ragged":
+                    if not gpu:
+                        raise jax_moe.BackendUnavailable("ragged_all_to_all needs GPU (XLA:CPU lacks it)")
+                    limit = int(os.environ.get("JAX_MOE_BENCH_RAGGED_MAX_ROWS", "0"))
+                    if limit and t * r > limit:
+                        print(f"[moe] skip xla-ragged at T={t}: above JAX_MOE_BENCH_RAGGED_MAX_ROWS={limit}")
+                        continue
+                else:
+                    comm = jax_moe.Communicator(cfg, mesh, "ep", backend=backend)
+            except (jax_moe.BackendUnavailable, ValueError) as err:
+                print(f"[moe] skip backend {backend}: {err}")
+                skipped.add(backend)
+                continue
+            started = time.perf_counter()
+            try:
+                if gpu:
+                    samples = _gpu_run(backend, comm, mesh, n, l, inputs, its, min(args.unroll, its),
+                                       args.warmup)
+                else:
+                    samples = _cpu_run(comm, mesh, inputs, its, args.warmup)
+            except Exception as err:  # noqa: BLE001 - report and go on with the other backends
+                print(f"[moe] {backend} {shape} T={t} failed: {type(err).__name__}: {str(err)[:400]}")
+                continue
+            stats = _summary(samples)
+            rec = {"shape": shape, "tokens": t, "hidden": hidden, "experts": e, "topk": r, "fp8": fp8,
+                   "ranks": n, "backend": backend, "stats": stats, "remote_dispatch_bytes": disp_bytes,
+                   "remote_combine_bytes": comb_bytes, "seconds": time.perf_counter() - started}
+            if comm is not None and hasattr(comm.backend, "bytes_per_device"):
+                rec["buffer_bytes_per_device"] = int(comm.backend.bytes_per_device)
+            for phase, nbytes in (("dispatch_send", disp_bytes), ("combine_send", comb_bytes)):
+                p50 = stats[phase]["p50"]
+                if p50:
+                    rec[f"{phase}_GBps"] = nbytes / (p50 * 1e-6) / 1e9
+            if bw and "peer_GBps" in bw:
+                rec["floor_dispatch_us"] = disp_bytes / (bw["peer_GBps"] * 1e9) * 1e6
+                rec["floor_combine_us"] = comb_bytes / (bw["peer_GBps"] * 1e9) * 1e6
+            results.append(rec)
+            _write(args.out, meta, results)  # as we go: a run cut short still leaves its numbers
+            print(f"[moe] {shape:8s} T={t:5d} {backend:10s} dispatch p50 {_fmt(stats['dispatch']['p50'])} us  "
+                  f"combine p50 {_fmt(stats['combine']['p50'])} us  ({rec['seconds']:.1f} s)", flush=True)
+            del comm
+
+    # speed-up of each backend over the faster XLA path on the same point
+    for rec in results:
+        xla = [o for o in results if o["shape"] == rec["shape"] and o["tokens"] == rec["tokens"]
+               and o["backend"].startswith("xla")]
+        for phase in ("dispatch", "combine"):
+            best = min((o["stats"][phase]["p50"] for o in xla if o["stats"][phase]["p50"]), default=None)
+            if best and rec["stats"][phase]["p50"]:
+                rec[f"{phase}_speedup_vs_xla"] = best / rec["stats"][phase]["p50"]
+
+    header = (f"{'shape':8s} {'T':>5s} {'backend':10s} " + " ".join(f"{p + ' p50/p99':>22s}" for p in PHASES)
+              + f" {'disp GB/s':>9s} {'comb GB/s':>9s} {'x vs xla':>9s}")
+    print("\n" + header)
+    for rec in results:
+        st = rec["stats"]
+        cells = " ".join(f"{_fmt(st[p]['p50'])}/{_fmt(st[p]['p99'])}".rjust(22) for p in PHASES)
+        gbd = rec.get("dispatch_send_GBps")
+        gbc = rec.get("combine_send_GBps")
+        sp = rec.get("dispatch_speedup_vs_xla")
+        print(f"{rec['shape']:8s} {rec['tokens']:5d} {rec['backend']:10s} {cells} "
+              f"{'-' if gbd is None else f'{gbd:9.1f}':>9s} {'-' if gbc is None else f'{gbc:9.1f}':>9s} "
+              f"{'-' if sp is None else f'{sp:9.1f}':>9s}")
+    _write(args.out, meta, results)
+    if results:
+        _plot(results, os.path.join(args.out, "moe.png"))
+    print(f"[moe] wrote {args.out}/results.json and moe.png")
+    return 0

@@ -1,0 +1,242 @@
+#include "ffi/cuda/group.h"
+
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "common/error.h"
+
+namespace jax_moe::cuda {
+namespace {
+
+void Check(cudaError_t err, const char* call) {
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error state so later calls are not blamed
+    Throw(ErrorCode::kInternal, std::string("jax_moe cuda: ") + call + " failed: " + cudaGetErrorString(err));
+  }
+}
+
+// Makes `ordinal` current for a scope, restoring the caller's device (Python's thread is shared with JAX).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int ordinal) {
+    Check(cudaGetDevice(&previous_), "cudaGetDevice");
+    Check(cudaSetDevice(ordinal), "cudaSetDevice");
+  }
+  ~DeviceScope() { cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
+using Group = std::map<int, std::shared_ptr<DeviceGroup>>;
+
+std::mutex& RegistryMutex() {
+  static std::mutex mu;
+  return mu;
+}
+std::map<int64_t, Group>& Registry() {
+  static std::map<int64_t, Group> groups;
+  return groups;
+}
+
+std::shared_ptr<DeviceGroup> Lookup(int64_t id, int ordinal) {
+  std::lock_guard<std::mutex> lock(RegistryMutex());
+  auto g = Registry().find(id);
+  if (g == Registry().end()) return nullptr;
+  auto d = g->second.find(ordinal);
+  return d == g->second.end() ? nullptr : d->second;
+}
+
+std::shared_ptr<DeviceGroup> MustFind(int64_t id, int ordinal) {
+  auto dev = Lookup(id, ordinal);
+  if (!dev) {
+    Throw(ErrorCode::kInvalidArgument,
+          "jax_moe cuda: no group " + std::to_string(id) + " on device " + std::to_string(ordinal));
+  }
+  return dev;
+}
+
+}  // namespace
+
+DeviceGroup::~DeviceGroup() {
+  if (ordinal < 0) return;
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(ordinal);
+  cudaDeviceSynchronize();  // no kernel of this group may still run
+  for (void* p : ipc_mapped) cudaIpcCloseMemHandle(p);
+  if (args.base) cudaFree(args.base);
+  if (host_error) cudaFreeHost(host_error);
+  cudaGetLastError();
+  cudaSetDevice(previous);
+}
+
+size_t BufferBytes(const MoeShape& shape) { return MakeLayout(shape).total; }
+
+void CreateGroup(int64_t id, const MoeShape& shape, const std::vector<std::pair<int, int>>& devices,
+                 long long timeout_ns) {
+  Require(shape.n >= 1 && shape.l >= 1 && shape.r >= 1 && shape.max_tokens >= 1, "jax_moe cuda: bad group shape");
+  Require(shape.x_bytes % 16 == 0 && shape.y_bytes % 16 == 0 && shape.rec_bytes % 16 == 0,
+          "jax_moe cuda: row sizes must be multiples of 16 bytes");
+  Require(shape.scale_bytes % 4 == 0, "jax_moe cuda: scale rows must be whole float32s");
+  Group group;
+  for (const auto& [ordinal, rank] : devices) {
+    Require(rank >= 0 && rank < shape.n, "jax_moe cuda: rank out of range");
+    DeviceScope scope(ordinal);
+    auto dev = std::make_shared<DeviceGroup>();
+    dev->ordinal = ordinal;
+    KernelArgs& a = dev->args;
+    a.s = shape;
+    a.s.rank = rank;
+    a.lay = MakeLayout(a.s);
+    a.timeout_ns = timeout_ns;
+    Check(cudaDeviceGetAttribute(&a.num_sms, cudaDevAttrMultiProcessorCount, ordinal), "cudaDeviceGetAttribute");
+    void* base = nullptr;
+    Check(cudaMalloc(&base, a.lay.total), "cudaMalloc");
+    a.base = static_cast<uint8_t*>(base);
+    Check(cudaMemset(base, 0, a.lay.total), "cudaMemset");
+    void* host = nullptr;
+    Check(cudaHostAlloc(&host, 2 * sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
+    dev->host_error = static_cast<int*>(host);
+    std::memset(host, 0, 2 * sizeof(int));
+    void* mapped = nullptr;
+    Check(cudaHostGetDevicePointer(&mapped, host, 0), "cudaHostGetDevicePointer");
+    a.error = static_cast<int*>(mapped);
+    Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    group[ordinal] = std::move(dev);
+  }
+  std::lock_guard<std::mutex> lock(RegistryMutex());
+  Require(Registry().count(id) == 0, "jax_moe cuda: group " + std::to_string(id) + " exists already");
+  Registry()[id] = std::move(group);
+}
+
+std::string ExportBuffer(int64_t id, int ordinal) {
+  auto dev = MustFind(id, ordinal);
+  DeviceScope scope(ordinal);
+  cudaIpcMemHandle_t handle;
+  Check(cudaIpcGetMemHandle(&handle, dev->args.base), "cudaIpcGetMemHandle");
+  return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
+}
+
+void ConnectGroup(int64_t id, int ordinal, const std::vector<PeerSpec>& peers) {
+  auto dev = MustFind(id, ordinal);
+  KernelArgs& a = dev->args;
+  Require(static_cast<int>(peers.size()) == a.s.n, "jax_moe cuda: need one peer entry per rank");
+  DeviceScope scope(ordinal);
+  std::vector<uint8_t*> table(a.s.n, nullptr);
+  for (int i = 0; i < a.s.n; ++i) {
+    const PeerSpec& p = peers[i];
+    Require(p.rank == i, "jax_moe cuda: peers must be listed in rank order");
+    switch (p.kind) {
+      case PeerKind::kSelf:
+        Require(i == a.s.rank, "jax_moe cuda: 'self' peer at another rank");
+        table[i] = a.base;
+        break;
+      case PeerKind::kLocalDevice: {
+        auto other = MustFind(id, p.ordinal);
+        int can = 0;
+        Check(cudaDeviceCanAccessPeer(&can, ordinal, p.ordinal), "cudaDeviceCanAccessPeer");
+        Require(can == 1, "jax_moe cuda: device " + std::to_string(ordinal) + " cannot access device " +
+                              std::to_string(p.ordinal) + " (no NVLink/P2P)");
+        cudaError_t err = cudaDeviceEnablePeerAccess(p.ordinal, 0);
+        if (err == cudaErrorPeerAccessAlreadyEnabled) {
+          cudaGetLastError();
+        } else {
+          Check(err, "cudaDeviceEnablePeerAccess");
+        }
+        table[i] = other->args.base;
+        break;
+      }
+      case PeerKind::kIpc: {
+        Require(p.ipc.size() == sizeof(cudaIpcMemHandle_t), "jax_moe cuda: bad IPC handle size");
+        cudaIpcMemHandle_t handle;
+        std::memcpy(&handle, p.ipc.data(), sizeof(handle));
+        void* mapped = nullptr;
+        Check(cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+        dev->ipc_mapped.push_back(mapped);
+        table[i] = static_cast<uint8_t*>(mapped);
+        break;
+      }
+    }
+  }
+  Check(cudaMemcpy(a.base + a.lay.peers, table.data(), sizeof(uint8_t*) * table.size(), cudaMemcpyHostToDevice),
+        "cudaMemcpy(peers)");
+  dev->connected = true;
+}
+
+void DestroyGroup(int64_t id) {
+  Group doomed;
+  {
+    std::lock_guard<std::mutex> lock(RegistryMutex());
+    auto g = Registry().find(id);
+    if (g == Registry().end()) return;
+    doomed = std::move(g->second);
+    Registry().erase(g);
+  }
+  doomed.clear();  // outside the lock: destruction waits for the devices
+}
+
+std::shared_ptr<const DeviceGroup> FindDevice(int64_t id, int ordinal) { return Lookup(id, ordinal); }
+
+std::string TakeError(const DeviceGroup& dev) {
+  volatile int* word = dev.host_error;
+  const int kind = word[0];
+  if (kind == kNoError) return "";
+  const int detail = word[1];
+  word[1] = 0;
+  word[0] = 0;
+  switch (kind) {
+    case kBadExpertId:
+      return "jax_moe cuda: an earlier dispatch on this device got expert id " + std::to_string(detail) +
+             " in topk_idx, outside [0, num_experts) and not -1 (those slots were masked)";
+    case kTimeout:
+      return "jax_moe cuda: a peer did not signal within the timeout (wait " + std::to_string(detail) +
+             "); results of that call are incomplete";
+    default:
+      return "jax_moe cuda: device error " + std::to_string(kind);
+  }
+}
+
+double PeerCopyBandwidth(int src, int dst, size_t bytes, int iters) {
+  void* a = nullptr;
+  void* b = nullptr;
+  {
+    DeviceScope s(src);
+    Check(cudaMalloc(&a, bytes), "cudaMalloc");
+    if (src != dst) {
+      cudaError_t err = cudaDeviceEnablePeerAccess(dst, 0);
+      if (err == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError(); else Check(err, "cudaDeviceEnablePeerAccess");
+    }
+  }
+  {
+    DeviceScope s(dst);
+    Check(cudaMalloc(&b, bytes), "cudaMalloc");
+  }
+  DeviceScope s(src);
+  cudaStream_t stream;
+  Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  cudaEvent_t start, stop;
+  Check(cudaEventCreate(&start), "cudaEventCreate");
+  Check(cudaEventCreate(&stop), "cudaEventCreate");
+  Check(cudaMemcpyPeerAsync(b, dst, a, src, bytes, stream), "cudaMemcpyPeerAsync");  // warm-up
+  Check(cudaEventRecord(start, stream), "cudaEventRecord");
+  for (int i = 0; i < iters; ++i) Check(cudaMemcpyPeerAsync(b, dst, a, src, bytes, stream), "cudaMemcpyPeerAsync");
+  Check(cudaEventRecord(stop, stream), "cudaEventRecord");
+  Check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+  float ms = 0;
+  Check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaStreamDestroy(stream);
+  cudaFree(a);
+  {
+    DeviceScope t(dst);
+    cudaFree(b);
+  }
+  return static_cast<double>(bytes) * iters / (ms * 1e-3);
+}
+
+}  // namespace jax_moe::cuda

@@ -1,0 +1,60 @@
+// Per-Communicator CUDA resources: one buffer per local device, the peers' buffers mapped into it (peer access in one
+// process, CUDA IPC across processes), and a host-mapped error word. Created from Python before the first call;
+// looked up by the FFI handlers by (group id, device ordinal). Thread-safe: XLA calls each device's handler from its
+// own thread.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/moe_layout.h"
+
+namespace jax_moe::cuda {
+
+// How a device reaches one peer's buffer.
+enum class PeerKind { kSelf = 0, kLocalDevice = 1, kIpc = 2 };
+
+struct PeerSpec {
+  int rank = 0;
+  PeerKind kind = PeerKind::kSelf;
+  int ordinal = -1;   // kLocalDevice: the peer's device ordinal in this process
+  std::string ipc;    // kIpc: the peer's exported cudaIpcMemHandle_t bytes
+};
+
+// One device's membership in one group. Owns its CUDA allocations.
+struct DeviceGroup {
+  DeviceGroup() = default;
+  DeviceGroup(const DeviceGroup&) = delete;
+  DeviceGroup& operator=(const DeviceGroup&) = delete;
+  ~DeviceGroup();
+
+  int ordinal = -1;
+  KernelArgs args;                  // args.base, args.error: this device's buffer and error word
+  int* host_error = nullptr;        // host view of args.error
+  std::vector<void*> ipc_mapped;    // peers' buffers opened through IPC (closed on destruction)
+  bool connected = false;
+};
+
+// Creates the group `id` on the given local devices ((ordinal, rank) pairs). `shape.rank` is ignored. Throws
+// jax_moe::Error (with the failing CUDA call's name) on failure.
+void CreateGroup(int64_t id, const MoeShape& shape, const std::vector<std::pair<int, int>>& devices,
+                 long long timeout_ns);
+// The IPC handle of a device's buffer, for peers in other processes.
+std::string ExportBuffer(int64_t id, int ordinal);
+// Maps every peer's buffer (peers[i].rank == i) into this device's peer table; enables peer access where needed.
+void ConnectGroup(int64_t id, int ordinal, const std::vector<PeerSpec>& peers);
+void DestroyGroup(int64_t id);
+
+// The handlers' view. Null when unknown; the shared_ptr keeps the group alive during a launch.
+std::shared_ptr<const DeviceGroup> FindDevice(int64_t id, int ordinal);
+// Reads and clears the device's error word: empty when no error was raised since the last call.
+std::string TakeError(const DeviceGroup& dev);
+
+// Bytes of one device's buffer for this shape.
+size_t BufferBytes(const MoeShape& shape);
+// Measured cudaMemcpyPeerAsync bandwidth (bytes / s) from device src to device dst.
+double PeerCopyBandwidth(int src, int dst, size_t bytes, int iters);
+
+}  // namespace jax_moe::cuda

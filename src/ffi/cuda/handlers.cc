@@ -1,0 +1,194 @@
+// XLA FFI handlers of the four halves: check shapes against the group, then enqueue the kernels on XLA's stream.
+// Host work per call is a registry lookup and a read of the mapped error word, never a device synchronisation.
+// Not marked command-buffer compatible: the recv halves report errors raised by earlier kernels from the host.
+// A recv half that reports an error still launches its kernel first, so this device keeps its epochs in step.
+#include "ffi/cuda/handlers.h"
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "ffi/cuda/group.h"
+#include "kernels/moe_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_moe::cuda {
+namespace {
+
+ffi::Error Launched(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jax_moe cuda: launching ") + what + " failed: " + cudaGetErrorString(err));
+}
+
+ffi::Error Device(int64_t group, int32_t ordinal, std::shared_ptr<const DeviceGroup>& dev) {
+  dev = FindDevice(group, ordinal);
+  if (!dev) {
+    return ffi::Error::InvalidArgument("jax_moe cuda: group " + std::to_string(group) + " has no buffers on device " +
+                                       std::to_string(ordinal) + " (was the Communicator built on this mesh?)");
+  }
+  if (!dev->connected) return ffi::Error::Internal("jax_moe cuda: group " + std::to_string(group) + " not connected");
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckRows(const char* what, ffi::Span<const int64_t> dims, int64_t rows, int64_t row_bytes,
+                     size_t itemsize, int64_t want_bytes) {
+  if (dims.size() != 2 || dims[0] != rows || dims[1] * static_cast<int64_t>(itemsize) != want_bytes) {
+    return ffi::Error::InvalidArgument(std::string("jax_moe cuda: ") + what + " does not match the group's shape");
+  }
+  (void)row_bytes;
+  return ffi::Error::Success();
+}
+
+ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t group, bool has_scale, ffi::AnyBuffer x,
+                            ffi::AnyBuffer x_scale, ffi::Buffer<ffi::S32> topk_idx,
+                            ffi::Result<ffi::Buffer<ffi::S32>> handle) {
+  std::shared_ptr<const DeviceGroup> dev;
+  if (auto e = Device(group, ordinal, dev); e.failure()) return e;
+  const KernelArgs& a = dev->args;
+  const auto dims = x.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("jax_moe cuda: x must be [T, hidden]");
+  const int64_t tokens = dims[0];
+  if (tokens > a.s.max_tokens) return ffi::Error::InvalidArgument("jax_moe cuda: T exceeds max_tokens");
+  if (auto e = CheckRows("x", dims, tokens, a.s.x_bytes, ffi::ByteWidth(x.element_type()), a.s.x_bytes); e.failure())
+    return e;
+  if (has_scale) {
+    if (auto e = CheckRows("x_scale", x_scale.dimensions(), tokens, a.s.scale_bytes, 4, a.s.scale_bytes); e.failure())
+      return e;
+  }
+  const auto idims = topk_idx.dimensions();
+  if (idims.size() != 2 || idims[0] != tokens || idims[1] != a.s.r)
+    return ffi::Error::InvalidArgument("jax_moe cuda: topk_idx must be [T, experts_per_token]");
+  return Launched(LaunchDispatchSend(a, static_cast<int>(tokens), x.untyped_data(),
+                                     has_scale ? x_scale.untyped_data() : nullptr, topk_idx.typed_data(),
+                                     handle->typed_data(), stream),
+                  "dispatch_send");
+}
+
+ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group, bool has_scale,
+                            ffi::Buffer<ffi::S32> handle, ffi::Result<ffi::AnyBuffer> expert_x,
+                            ffi::Result<ffi::AnyBuffer> expert_x_scale, ffi::Result<ffi::Buffer<ffi::S32>> counts,
+                            ffi::Result<ffi::Buffer<ffi::S32>> route) {
+  std::shared_ptr<const DeviceGroup> dev;
+  if (auto e = Device(group, ordinal, dev); e.failure()) return e;
+  const KernelArgs& a = dev->args;
+  const std::string earlier = TakeError(*dev);
+  const int64_t rows = a.s.max_recv_rows();
+  if (auto e = CheckRows("expert_x", expert_x->dimensions(), rows, a.s.x_bytes,
+                         ffi::ByteWidth(expert_x->element_type()), a.s.x_bytes);
+      e.failure())
+    return e;
+  if (counts->element_count() != size_t(a.s.l) || route->element_count() != size_t(rows + 1))
+    return ffi::Error::InvalidArgument("jax_moe cuda: dispatch_recv outputs do not match the group's shape");
+  ffi::Error launched =
+      Launched(LaunchDispatchRecv(a, expert_x->untyped_data(), has_scale ? expert_x_scale->untyped_data() : nullptr,
+                                  counts->typed_data(), route->typed_data(), stream),
+               "dispatch_recv");
+  return earlier.empty() ? launched : ffi::Error::Internal(earlier);
+}
+
+ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t group, int64_t channel, ffi::AnyBuffer expert_y,
+                           ffi::Buffer<ffi::S32> route, ffi::Result<ffi::Buffer<ffi::S32>> handle) {
+  std::shared_ptr<const DeviceGroup> dev;
+  if (auto e = Device(group, ordinal, dev); e.failure()) return e;
+  const KernelArgs& a = dev->args;
+  const int64_t rows = a.s.max_recv_rows();
+  if (auto e = CheckRows("expert_y", expert_y.dimensions(), rows, a.s.y_bytes, ffi::ByteWidth(expert_y.element_type()),
+                         a.s.y_bytes);
+      e.failure())
+    return e;
+  if (route.element_count() != size_t(rows + 1)) return ffi::Error::InvalidArgument("jax_moe cuda: bad route");
+  if (channel < 0 || channel >= kCombineChannels) return ffi::Error::InvalidArgument("jax_moe cuda: bad channel");
+  return Launched(LaunchCombineSend(a, static_cast<int>(channel), expert_y.untyped_data(), route.typed_data(),
+                                    handle->typed_data(), stream),
+                  "combine_send");
+}
+
+ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group, int64_t channel,
+                           ffi::Buffer<ffi::S32> handle,
+                           ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> topk_idx,
+                           ffi::Result<ffi::AnyBuffer> out) {
+  std::shared_ptr<const DeviceGroup> dev;
+  if (auto e = Device(group, ordinal, dev); e.failure()) return e;
+  const KernelArgs& a = dev->args;
+  const std::string earlier = TakeError(*dev);
+  if (channel < 0 || channel >= kCombineChannels) return ffi::Error::InvalidArgument("jax_moe cuda: bad channel");
+  const auto idims = topk_idx.dimensions();
+  if (idims.size() != 2 || idims[1] != a.s.r || idims[0] > a.s.max_tokens ||
+      topk_weights.element_count() != topk_idx.element_count())
+    return ffi::Error::InvalidArgument("jax_moe cuda: topk_idx / topk_weights do not match the group's shape");
+  const int64_t tokens = idims[0];
+  if (auto e = CheckRows("out", out->dimensions(), tokens, a.s.y_bytes, ffi::ByteWidth(out->element_type()),
+                         a.s.y_bytes);
+      e.failure())
+    return e;
+  ffi::Error launched = Launched(LaunchCombineRecv(a, static_cast<int>(channel), static_cast<int>(tokens),
+                                                   topk_weights.typed_data(), topk_idx.typed_data(),
+                                                   out->untyped_data(), stream),
+                                 "combine_recv");
+  return earlier.empty() ? launched : ffi::Error::Internal(earlier);
+}
+
+// Passes `a` through (aliased) and stamps the device time once everything before it on the stream has finished.
+ffi::Error TimestampImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer dep, ffi::Result<ffi::AnyBuffer> a_out,
+                         ffi::Result<ffi::Buffer<ffi::U64>> stamp) {
+  return Launched(LaunchTimestamp(stamp->typed_data(), stream), "timestamp");
+}
+
+}  // namespace
+}  // namespace jax_moe::cuda
+
+using namespace jax_moe::cuda;  // NOLINT: handler symbols below are extern "C"
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCudaDispatchSend, DispatchSendImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("group")
+                                  .Attr<bool>("has_scale")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCudaDispatchRecv, DispatchRecvImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("group")
+                                  .Attr<bool>("has_scale")
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCudaCombineSend, CombineSendImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("channel")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCudaCombineRecv, CombineRecvImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("channel")
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCudaTimestamp, TimestampImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::U64>>());

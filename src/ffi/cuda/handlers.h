@@ -1,0 +1,11 @@
+// The CUDA XLA FFI handlers (registered for platform "CUDA" from jax_moe/backends/cuda.py).
+#pragma once
+#include "xla/ffi/api/c_api.h"
+
+extern "C" {
+XLA_FFI_Error* JaxMoeCudaDispatchSend(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeCudaDispatchRecv(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeCudaCombineSend(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeCudaCombineRecv(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeCudaTimestamp(XLA_FFI_CallFrame* call_frame);
+}

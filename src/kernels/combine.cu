@@ -1,0 +1,116 @@
+// combine_send (expert rows back to the tokens' owners, at their (t, k) slots) and combine_recv (wait, float32
+// weighted sum per token), plus the time-stamp kernel of the benchmark.
+#include <cuda_bf16.h>
+
+#include "kernels/copy.cuh"
+#include "kernels/moe_kernels.h"
+#include "kernels/sync.cuh"
+
+namespace jax_moe::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+inline int GridFor(long long work_items, int per_block, int num_sms) {
+  long long blocks = (work_items + per_block - 1) / per_block;
+  if (blocks > 2LL * num_sms) blocks = 2LL * num_sms;
+  return blocks < 1 ? 1 : static_cast<int>(blocks);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    CombineSendKernel(KernelArgs a, int ch, const uint8_t* y, const int32_t* route, int32_t* handle) {
+  const MoeShape& s = a.s;
+  const int half = kCombineSend + 2 * ch, flag = kCombineFlag + 2 * ch, ack = kCombineAck + 2 * ch;
+  const unsigned long long epoch = Local(a)->epoch[half] + 1;
+  // The token owners must have summed the previous epoch before their combine areas are overwritten.
+  if (threadIdx.x < s.n) WaitAtLeast(a, Flags(a.base, a, ack) + threadIdx.x, epoch - 1, 200 + threadIdx.x);
+  __syncthreads();
+  const long long rows = s.max_recv_rows(), slots = s.slots();
+  long long total = route[rows];
+  total = total < 0 ? 0 : (total > rows ? rows : total);
+  const int lane = threadIdx.x & 31;
+  for (long long i = blockIdx.x * kWarps + (threadIdx.x >> 5); i < total; i += gridDim.x * kWarps) {
+    const int from = route[i];
+    const int q = static_cast<int>(from / slots);
+    if (from < 0 || q >= s.n) continue;
+    const long long tk = from - q * slots;
+    WarpCopy16(Peer(a, q) + a.lay.comb + (ch * slots + tk) * s.y_bytes, y + i * s.y_bytes, s.y_bytes, lane);
+  }
+  FinishBlock(a, half, [&](LocalSync* ls) {
+    for (int p = 0; p < s.n; ++p) StoreReleaseSys(Flags(Peer(a, p), a, flag) + s.rank, epoch);
+    ls->epoch[half] = epoch;
+    handle[0] = static_cast<int32_t>(epoch);
+    handle[1] = handle[2] = handle[3] = 0;
+  });
+}
+
+__global__ void __launch_bounds__(kThreads)
+    CombineRecvKernel(KernelArgs a, int ch, int tokens, const float* w, const int32_t* idx, uint8_t* out) {
+  extern __shared__ float wk[];  // [R] weight of slot k, 0 when nothing was sent for it
+  const MoeShape& s = a.s;
+  const int half = kCombineRecv + 2 * ch, flag = kCombineFlag + 2 * ch, ack = kCombineAck + 2 * ch;
+  const unsigned long long epoch = Local(a)->epoch[half] + 1;
+  if (threadIdx.x < s.n) WaitAtLeast(a, Flags(a.base, a, flag) + threadIdx.x, epoch, 300 + threadIdx.x);
+  __syncthreads();
+  const uint8_t* comb = a.base + a.lay.comb + static_cast<size_t>(ch) * s.slots() * s.y_bytes;
+  const int vecs = s.y_bytes >> 4;  // 8 bf16 per 16-byte vector
+  for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
+    for (int k = threadIdx.x; k < s.r; k += blockDim.x) {
+      const int g = SentExpert(idx + static_cast<size_t>(t) * s.r, k, s.experts());
+      wk[k] = g >= 0 ? w[static_cast<size_t>(t) * s.r + k] : 0.f;
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < vecs; c += blockDim.x) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int k = 0; k < s.r; ++k) {
+        const float wt = wk[k];
+        if (wt == 0.f) continue;  // masked slots hold stale rows: never read them into the sum
+        const int4 v = LoadCg(reinterpret_cast<const int4*>(comb + (static_cast<size_t>(t) * s.r + k) * s.y_bytes) + c);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __bfloat1622float2(h[j]);
+          acc[2 * j] = fmaf(wt, f.x, acc[2 * j]);
+          acc[2 * j + 1] = fmaf(wt, f.y, acc[2 * j + 1]);
+        }
+      }
+      int4 o;
+      __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) oh[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+      reinterpret_cast<int4*>(out + static_cast<size_t>(t) * s.y_bytes)[c] = o;
+    }
+    __syncthreads();
+  }
+  FinishBlock(a, half, [&](LocalSync* ls) {
+    ls->epoch[half] = epoch;
+    for (int p = 0; p < s.n; ++p) StoreReleaseSys(Flags(Peer(a, p), a, ack) + s.rank, epoch);
+  });
+}
+
+__global__ void TimestampKernel(uint64_t* out) { out[0] = GlobalTimer(); }
+
+}  // namespace
+
+cudaError_t LaunchCombineSend(const KernelArgs& a, int channel, const void* expert_y, const int32_t* route,
+                              int32_t* handle, cudaStream_t stream) {
+  const int grid = GridFor(a.s.max_recv_rows(), kWarps * 4, a.num_sms);
+  CombineSendKernel<<<grid, kThreads, 0, stream>>>(a, channel, static_cast<const uint8_t*>(expert_y), route, handle);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCombineRecv(const KernelArgs& a, int channel, int tokens, const float* topk_weights,
+                              const int32_t* topk_idx, void* out, cudaStream_t stream) {
+  const int grid = GridFor(tokens, 1, a.num_sms);
+  CombineRecvKernel<<<grid, kThreads, sizeof(float) * a.s.r, stream>>>(a, channel, tokens, topk_weights, topk_idx,
+                                                                      static_cast<uint8_t*>(out));
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchTimestamp(uint64_t* out, cudaStream_t stream) {
+  TimestampKernel<<<1, 1, 0, stream>>>(out);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_moe::cuda

@@ -1,0 +1,64 @@
+// Warp-cooperative row copies (16-byte vectors, several loads in flight) and a block-wide prefix sum.
+#pragma once
+#include <cstdint>
+
+namespace jax_moe::cuda {
+
+// L2-only loads: the data may have been written by a peer GPU, so L1 must not serve a stale line.
+__device__ __forceinline__ int4 LoadCg(const int4* p) { return __ldcg(p); }
+
+// Copies `bytes` (multiple of 16) from src to dst with the 32 lanes of a warp.
+__device__ __forceinline__ void WarpCopy16(void* dst, const void* src, int bytes, int lane) {
+  const int4* s = static_cast<const int4*>(src);
+  int4* d = static_cast<int4*>(dst);
+  const int n = bytes >> 4;
+  int i = lane;
+  for (; i + 3 * 32 < n; i += 4 * 32) {
+    const int4 v0 = LoadCg(s + i), v1 = LoadCg(s + i + 32), v2 = LoadCg(s + i + 64), v3 = LoadCg(s + i + 96);
+    d[i] = v0;
+    d[i + 32] = v1;
+    d[i + 64] = v2;
+    d[i + 96] = v3;
+  }
+  for (; i < n; i += 32) d[i] = LoadCg(s + i);
+}
+
+// Copies `bytes` (multiple of 4) with 4-byte words: the scale rows (56 floats for hidden 7168).
+__device__ __forceinline__ void WarpCopy4(void* dst, const void* src, int bytes, int lane) {
+  const int* s = static_cast<const int*>(src);
+  int* d = static_cast<int*>(dst);
+  for (int i = lane; i < (bytes >> 2); i += 32) d[i] = __ldcg(s + i);
+}
+
+// In-place inclusive prefix sum of data[0..n) in shared memory by the whole block (any n, any blockDim that is a
+// multiple of 32). `warp_sums` holds 32 ints of shared scratch. Ends with a barrier.
+__device__ inline void BlockInclusiveScan(int* data, int n, int* warp_sums) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  int carry = 0;
+  for (int base = 0; base < n; base += blockDim.x) {
+    const int i = base + threadIdx.x;
+    int v = i < n ? data[i] : 0;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int u = __shfl_up_sync(0xffffffffu, v, o);
+      if (lane >= o) v += u;
+    }
+    if (lane == 31) warp_sums[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+      int w = lane < warps ? warp_sums[lane] : 0;
+      for (int o = 1; o < 32; o <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, w, o);
+        if (lane >= o) w += u;
+      }
+      if (lane < warps) warp_sums[lane] = w;
+    }
+    __syncthreads();
+    const int total = warp_sums[warps - 1];
+    if (warp > 0) v += warp_sums[warp - 1];
+    if (i < n) data[i] = v + carry;
+    carry += total;
+    __syncthreads();
+  }
+}
+
+}  // namespace jax_moe::cuda

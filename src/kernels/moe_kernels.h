@@ -1,0 +1,32 @@
+// Host entry points of the dispatch/combine kernels: each enqueues its half on `stream` and returns the launch status.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/moe_layout.h"
+
+namespace jax_moe::cuda {
+
+// x [T, x_bytes], x_scale [T, scale_bytes] (or null), topk_idx [T, R] -> rows in the peers' receive areas.
+// handle [4] int32 gets the epoch (it only orders dispatch_recv after this call).
+cudaError_t LaunchDispatchSend(const KernelArgs& a, int tokens, const void* x, const void* x_scale,
+                               const int32_t* topk_idx, int32_t* handle, cudaStream_t stream);
+
+// Receive area -> expert_x [M, x_bytes] (rows after the received ones zeroed), expert_x_scale [M, scale_bytes] (or null), counts [L],
+// route [M + 1] (route[i] = source rank * max_tokens * R + t * R + k of row i; route[M] = rows received).
+cudaError_t LaunchDispatchRecv(const KernelArgs& a, void* expert_x, void* expert_x_scale, int32_t* counts,
+                               int32_t* route, cudaStream_t stream);
+
+// expert_y [M, y_bytes] -> the token owners' combine areas of `channel`, at the (t, k) slot each row came from.
+cudaError_t LaunchCombineSend(const KernelArgs& a, int channel, const void* expert_y, const int32_t* route,
+                              int32_t* handle, cudaStream_t stream);
+
+// out[t] = sum over sent k of w[t, k] * y(t, k), float32 accumulation, bf16 out [T, hidden].
+cudaError_t LaunchCombineRecv(const KernelArgs& a, int channel, int tokens, const float* topk_weights,
+                              const int32_t* topk_idx, void* out, cudaStream_t stream);
+
+// Writes %globaltimer (ns) into out[0]: a device-side time stamp for benchmarks.
+cudaError_t LaunchTimestamp(uint64_t* out, cudaStream_t stream);
+
+}  // namespace jax_moe::cuda

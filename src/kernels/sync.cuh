@@ -1,0 +1,90 @@
+// Device-side synchronisation between GPUs: system-scope release/acquire on 64-bit epoch flags, bounded waits.
+#pragma once
+#include <cstdint>
+
+#include "kernels/moe_layout.h"
+
+namespace jax_moe::cuda {
+
+__device__ __forceinline__ unsigned long long LoadAcquireSys(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void StoreReleaseSys(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned long long GlobalTimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ LocalSync* Local(const KernelArgs& a) {
+  return reinterpret_cast<LocalSync*>(a.base + a.lay.local);
+}
+
+// First error wins; the host reads the word (mapped memory) at the next recv half.
+__device__ __forceinline__ void RaiseError(const KernelArgs& a, int kind, int detail) {
+  if (atomicCAS_system(a.error, 0, kind) == 0) {
+    atomicExch_system(a.error + 1, detail);
+  }
+}
+
+// Spins until *flag >= want; on timeout raises kTimeout (detail = which) and returns false instead of hanging.
+// The loop touches device memory only: polling the host-mapped error word here would flood PCIe and delay the
+// GPU's own command fetches.
+__device__ __forceinline__ bool WaitAtLeast(const KernelArgs& a, const unsigned long long* flag,
+                                           unsigned long long want, int which) {
+  if (LoadAcquireSys(flag) >= want) return true;
+  volatile int* timed_out = &Local(a)->timed_out;
+  if (*timed_out) return false;  // an earlier wait gave up: the peer is gone, do not stall every call
+  const unsigned long long start = GlobalTimer();
+  while (LoadAcquireSys(flag) < want) {
+    if (static_cast<long long>(GlobalTimer() - start) > a.timeout_ns) {
+      RaiseError(a, kTimeout, which);
+      *timed_out = 1;
+      return false;
+    }
+  }
+  return true;
+}
+
+__device__ __forceinline__ unsigned long long* Flags(uint8_t* base, const KernelArgs& a, int kind) {
+  return reinterpret_cast<unsigned long long*>(base + a.lay.flags) + kind * a.s.n;
+}
+enum FlagKind { kDispatchFlag = 0, kDispatchAck = 1, kCombineFlag = 2, kCombineAck = 3 };  // combine: + 2 * channel
+
+__device__ __forceinline__ uint8_t* Peer(const KernelArgs& a, int p) {
+  return reinterpret_cast<uint8_t* const*>(a.base + a.lay.peers)[p];
+}
+
+// Ends a launch: every block makes its stores visible system-wide; the last block to finish runs `last()`
+// (signals the peers, advances the epoch) and re-arms the block counter for the next launch.
+template <typename Last>
+__device__ __forceinline__ void FinishBlock(const KernelArgs& a, int half, Last last) {
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    LocalSync* ls = Local(a);
+    const unsigned prev = atomicAdd(&ls->done[half], 1u);
+    if (prev == gridDim.x - 1) {
+      ls->done[half] = 0;
+      __threadfence_system();
+      last(ls);
+    }
+  }
+}
+
+// Sanitised expert of slot k of a token: -1 when masked, out of range, or a repeat of an earlier slot.
+__device__ __forceinline__ int SentExpert(const int32_t* row, int k, int experts) {
+  const int g = row[k];
+  if (g < 0 || g >= experts) return -1;
+  for (int j = 0; j < k; ++j)
+    if (row[j] == g) return -1;
+  return g;
+}
+
+}  // namespace jax_moe::cuda

@@ -1,0 +1,98 @@
+// `jax_moe._core.cuda`: the CUDA FFI handler capsules and the group set-up the Python backend drives.
+// Compiled only into CUDA builds (JAX_MOE_HAVE_CUDA); elsewhere the submodule is absent and the backend says why.
+#ifdef JAX_MOE_HAVE_CUDA
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "ffi/cuda/group.h"
+#include "ffi/cuda/handlers.h"
+#include "python/registry.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+using jax_moe::cuda::MoeShape;
+
+template <typename Fn>
+nb::capsule Capsule(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+MoeShape Shape(int n, int l, int r, int max_tokens, int hidden, int x_itemsize, int num_scales, int y_itemsize) {
+  MoeShape s;
+  s.n = n;
+  s.l = l;
+  s.r = r;
+  s.max_tokens = max_tokens;
+  s.c = max_tokens * (r < l ? r : l);
+  s.x_bytes = hidden * x_itemsize;
+  s.scale_bytes = num_scales * 4;
+  s.rec_bytes = static_cast<int>(jax_moe::cuda::AlignUp(s.x_bytes + s.scale_bytes, 16));
+  s.y_bytes = hidden * y_itemsize;
+  return s;
+}
+
+void RegisterCuda(nb::module_& m) {
+  nb::module_ cuda = m.def_submodule("cuda", "CUDA dispatch/combine: FFI handlers and per-Communicator buffers");
+  cuda.def("handlers", []() {
+    nb::dict d;
+    d["jax_moe_cuda_dispatch_send"] = Capsule(JaxMoeCudaDispatchSend);
+    d["jax_moe_cuda_dispatch_recv"] = Capsule(JaxMoeCudaDispatchRecv);
+    d["jax_moe_cuda_combine_send"] = Capsule(JaxMoeCudaCombineSend);
+    d["jax_moe_cuda_combine_recv"] = Capsule(JaxMoeCudaCombineRecv);
+    d["jax_moe_cuda_timestamp"] = Capsule(JaxMoeCudaTimestamp);
+    return d;
+  });
+  cuda.def(
+      "buffer_bytes",
+      [](int n, int l, int r, int max_tokens, int hidden, int x_itemsize, int num_scales, int y_itemsize) {
+        return jax_moe::cuda::BufferBytes(Shape(n, l, r, max_tokens, hidden, x_itemsize, num_scales, y_itemsize));
+      },
+      "Bytes of one device's buffer for a configuration.");
+  cuda.def(
+      "create_group",
+      [](int64_t id, int n, int l, int r, int max_tokens, int hidden, int x_itemsize, int num_scales, int y_itemsize,
+         const std::vector<std::pair<int, int>>& devices, double timeout_s) {
+        jax_moe::cuda::CreateGroup(id, Shape(n, l, r, max_tokens, hidden, x_itemsize, num_scales, y_itemsize),
+                                   devices, static_cast<long long>(timeout_s * 1e9));
+      },
+      "Allocates the group's buffers on the given local (ordinal, rank) devices.");
+  cuda.def("export_buffer",
+           [](int64_t id, int ordinal) {
+             std::string h = jax_moe::cuda::ExportBuffer(id, ordinal);
+             return nb::bytes(h.data(), h.size());
+           });
+  cuda.def(
+      "connect",
+      [](int64_t id, int ordinal, const std::vector<std::tuple<int, int, int, nb::bytes>>& peers) {
+        std::vector<jax_moe::cuda::PeerSpec> specs;
+        for (const auto& [rank, kind, peer_ordinal, ipc] : peers) {
+          jax_moe::cuda::PeerSpec p;
+          p.rank = rank;
+          p.kind = static_cast<jax_moe::cuda::PeerKind>(kind);
+          p.ordinal = peer_ordinal;
+          p.ipc.assign(ipc.c_str(), ipc.size());
+          specs.push_back(std::move(p));
+        }
+        jax_moe::cuda::ConnectGroup(id, ordinal, specs);
+      },
+      "peers: (rank, kind 0=self 1=local device 2=ipc, peer ordinal, ipc handle bytes), in rank order.");
+  cuda.def("destroy_group", &jax_moe::cuda::DestroyGroup);
+  cuda.def(
+      "take_error",
+      [](int64_t id, int ordinal) {
+        auto dev = jax_moe::cuda::FindDevice(id, ordinal);
+        return dev ? jax_moe::cuda::TakeError(*dev) : std::string();
+      },
+      "Reads and clears a device's error word (what the next recv half would report); '' when clear.");
+  cuda.def("peer_copy_bandwidth", &jax_moe::cuda::PeerCopyBandwidth,
+           "cudaMemcpyPeerAsync bytes/s from device src to dst (src == dst: a device-local copy).");
+}
+
+}  // namespace
+
+JAX_MOE_PY_REGISTER(cuda, RegisterCuda);
+#endif  // JAX_MOE_HAVE_CUDA
