@@ -5,10 +5,13 @@ all processes' CPU devices, gathers the results and checks them against the NumP
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 
 import jax
+
+faulthandler.dump_traceback_later(int(os.environ.get("MP_WORKER_HANG_S", "150")), exit=True)  # a hang shows where every thread is, then the process ends
 
 proc, nproc, port, per_proc, backend, seed = sys.argv[1:7]
 jax.config.update("jax_num_cpu_devices", int(per_proc))
@@ -34,9 +37,11 @@ def main() -> None:
     mesh = jax.make_mesh((n,), ("ep",))
     rng = np.random.default_rng(int(seed))
     e, r, hidden, t = 2 * n, 3, 128, 5
+    comms = []  # Communicators are collective: keep them until every process is done with them
     for fp8 in (False, True):
         cfg = jax_moe.MoEConfig(e, r, hidden, t, dispatch_dtype=jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
         comm = jax_moe.Communicator(cfg, mesh, "ep", backend=backend)
+        comms.append(comm)
         x, scale = random_tokens(rng, n * t, hidden, fp8)
         idx = random_routing(rng, n, t, r, e, mask=0.2)
         w = rng.random((n * t, r)).astype(np.float32)

@@ -30,7 +30,10 @@ def launch(script: str, argv_per_proc: Sequence[Sequence[str]], timeout_s: float
             try:
                 out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                raise AssertionError(f"process {i} of {script} did not finish within {timeout_s} s") from None
+                p.kill()
+                out, _ = p.communicate()
+                raise AssertionError(f"process {i} of {script} did not finish within {timeout_s} s; its output:\n"
+                                     f"{out[-4000:]}") from None
             outputs.append(out)
             if p.returncode != 0:
                 raise AssertionError(f"process {i} of {script} exited with {p.returncode}:\n{out[-6000:]}")

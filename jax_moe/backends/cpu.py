@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 _TARGET = "jax_moe_cpu_{}"
 _registered = False
 _lock = threading.Lock()
-SLOT_BITS = 18  # the immediate carries the Communicator slot in 18 bits (src/cpu/imm_kind.h)
+SLOT_BITS = 15  # the immediate carries the Communicator slot in 15 bits (src/cpu/imm_kind.h)
 
 
 def _core():
@@ -129,15 +129,26 @@ class CpuBackend(Backend):
         client.wait_at_barrier(f"{prefix}/connected", timeout_ms)
 
     # --- the four halves ------------------------------------------------------------------------------------------
-    def _call(self, half: str, results, *args):
-        return ffi_call(_TARGET.format(half), results, *args, comm=np.int64(self.slot))
+    def _call(self, half: str, results, *args, **attrs):
+        return ffi_call(_TARGET.format(half), results, *args, comm=np.int64(self.slot), **attrs)
+
+    def _send(self, rows, x_scale, topk_idx, per_slot: bool):
+        t, r = topk_idx.shape
+        scale = x_scale if x_scale is not None else jnp.zeros((rows.shape[0], 0), jnp.float32)
+        slot, ticket = self._call("dispatch_send", (jax.ShapeDtypeStruct((t * r,), jnp.int32),
+                                                    jax.ShapeDtypeStruct((2,), jnp.int32)), rows, scale, topk_idx,
+                                  per_slot=per_slot)
+        return ticket, slot
+
+    def _recv(self, state, topk_weights, topk_idx, reduce: bool):
+        ticket, slot = state
+        t, r = topk_idx.shape
+        rows = t if reduce else t * r
+        return self._call("combine_recv", jax.ShapeDtypeStruct((rows, self.cfg.hidden), self.cfg.combine_dtype),
+                          ticket, topk_weights.astype(jnp.float32), slot, reduce=reduce)
 
     def dispatch_send(self, x, x_scale, topk_idx):
-        t, r = topk_idx.shape
-        scale = x_scale if x_scale is not None else jnp.zeros((t, 0), jnp.float32)
-        slot, ticket = self._call("dispatch_send", (jax.ShapeDtypeStruct((t * r,), jnp.int32),
-                                                    jax.ShapeDtypeStruct((2,), jnp.int32)), x, scale, topk_idx)
-        return ticket, slot
+        return self._send(x, x_scale, topk_idx, per_slot=False)
 
     def dispatch_recv(self, state):
         ticket, slot = state
@@ -156,10 +167,21 @@ class CpuBackend(Backend):
         return ticket, slot
 
     def combine_recv(self, state, topk_weights, topk_idx):
-        ticket, slot = state
-        t = topk_idx.shape[0]
-        return self._call("combine_recv", jax.ShapeDtypeStruct((t, self.cfg.hidden), self.cfg.combine_dtype), ticket,
-                          topk_weights.astype(jnp.float32), slot)
+        return self._recv(state, topk_weights, topk_idx, reduce=True)
+
+    # --- per-slot variants (gradients) through the same protocol, so no XLA collective runs between our calls ----
+    def dispatch_slots(self, rows, route, topk_idx):
+        if self.cfg.dispatch_dtype != rows.dtype:  # fp8 configs: the wire format differs, use the reference
+            return super().dispatch_slots(rows, route, topk_idx)
+        t, r, h = rows.shape
+        state = self._send(rows.reshape(t * r, h), None, topk_idx, per_slot=True)
+        return self.dispatch_recv(state)[0]
+
+    def combine_slots(self, expert_y, route, topk_idx):
+        t, r = topk_idx.shape
+        state = self.combine_send(expert_y, route, topk_idx)
+        ones = jnp.ones((t, r), jnp.float32)
+        return self._recv(state, ones, topk_idx, reduce=False).reshape(t, r, -1)
 
 
 __all__ = ["CpuBackend", "rank_table"]

@@ -1,22 +1,33 @@
 // The "cpu" backend's protocol engine: one CpuComm per Communicator and process, one Rank per local device.
 //
-// Each rank owns, per direction (dispatch, combine), receive buffers of two parities x N per-sender regions.
-// Round k of a direction writes parity k % 2. A sender writes a region (header with counts, then rows) and signals:
-//  - a rank of the same process: memcpy straight into the peer's region, then a release store of the round number
-//    (the CPU analogue of NVLink);
-//  - a rank of another process: rows are packed into a registered staging buffer and a single TransferEngine scatter
-//    writes every remote peer's region, each write carrying an immediate.
-// Before writing round k a sender waits for the receiver's credit for round k - 2 (sent when it finished reading),
-// so a fast rank never overwrites a region that is still being read; with two parities this wait is normally free.
-// Every wait is bounded by the timeout; an error marks the CpuComm failed and later calls fail at once.
+// Each rank owns, per direction (dispatch, combine), receive buffers of K lanes x N per-sender regions.
+// Round k of a direction writes lane k % K; before writing round k into a receiver, a sender needs the
+// receiver's credit for round k - K (it finished reading that lane). Rounds may be received in any order (XLA
+// schedules independent halves freely, e.g. a forward combine_recv after backward sends) as long as fewer than K
+// rounds of a direction are in flight.
+//
+// XLA may schedule independent sends and receives (say, of the forward and the backward pass) in any order that
+// respects data dependencies, e.g. three sends before the first receive. A send that waited for credit would then wait
+// for a receive queued behind itself on the same device. Hence:
+//  - a send half never waits: it delivers each region at once when the receiver has credit (same process: memcpy
+//    straight into the receiver's region, then a release store of the round number; other processes: one
+//    TransferEngine scatter from a registered staging buffer), and otherwise leaves it staged in a per-peer queue;
+//  - a progress thread per CpuComm delivers queued regions as credits arrive;
+//  - a receive half waits (bounded by the timeout, naming the ranks that did not answer) for its round only: XLA:CPU
+//    runs a device's program in one order, the same on every rank, so it only waits for sends that come earlier.
+// Any error marks the CpuComm failed; later calls fail at once with the first error.
 #pragma once
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
+#include "common/error.h"
 #include "proxy/moe_shape.h"
 
 namespace jax_moe::cpu {
@@ -33,6 +44,7 @@ struct CommOptions {
   uint32_t slot = 0;  // the Communicator's id: identical on every process
   double timeout_s = 60.0;
   std::string provider = "auto";  // TransferEngine provider for ranks in other processes
+  int64_t lanes = 4;              // receive buffers per sender and direction: rounds that may be in flight
 };
 
 // What a rank publishes to ranks of other processes.
@@ -42,6 +54,9 @@ struct Endpoint {
   std::string dispatch_region;  // descriptors of its receive buffers
   std::string combine_region;
 };
+
+// Completion of a receive half: nullptr on success. Called exactly once, before the receive half returns.
+using Done = std::function<void(const Error* error)>;
 
 class CpuComm {
  public:
@@ -57,24 +72,41 @@ class CpuComm {
   void Connect(const std::vector<Endpoint>& remote);
   uint64_t BytesAllocated() const;
 
-  // The four halves, for the local rank on `device`. Tickets are int32[2] = {round, comm slot}.
+  // The four halves, for the local rank on `device`. Tickets are int32[2] = {round, comm slot}. Send halves throw
+  // jax_moe::Error; receive halves report through `done` (output pointers must stay valid until it is called).
+  // per_slot: x holds one row per (token, k) ([T * R] rows, no scales) instead of one per token (the gradients).
   void DispatchSend(int64_t device, const uint8_t* x, const uint8_t* x_scale, const int32_t* topk_idx, int64_t tokens,
-                    int32_t* slot, int32_t* ticket);
+                    bool per_slot, int32_t* slot, int32_t* ticket);
   void DispatchRecv(int64_t device, const int32_t* ticket, uint8_t* expert_x, uint8_t* expert_x_scale,
-                    int32_t* expert_counts, int32_t* dest);
+                    int32_t* expert_counts, int32_t* dest, Done done);
   void CombineSend(int64_t device, const uint8_t* expert_y, const int32_t* dest, int32_t* ticket);
+  // reduce: out [T, H] = float32 sum of w * y over k; else out [T * R, H] = each (token, k)'s row, 0 if masked.
   void CombineRecv(int64_t device, const int32_t* ticket, const float* topk_weights, const int32_t* slot,
-                   int64_t tokens, uint8_t* out);
+                   int64_t tokens, bool reduce, uint8_t* out, Done done);
 
   struct Rank;
   struct Direction;
+  using DirectionOf = Direction Rank::*;
 
  private:
   Rank& RankOf(int64_t device);
   void CheckHealthy() const;
   void Fail(const std::string& message);
-  template <typename Fn>
-  void Guard(Fn&& fn);
+  // Runs a send half: a failure marks the CpuComm failed and is rethrown.
+  void Guard(const std::function<void()>& fn);
+
+  // Send side (cpu/delivery.cc).
+  using Fill = std::function<void(const std::vector<uint8_t*>& regions)>;
+  void SendRound(Rank& me, DirectionOf dir, uint64_t round, const std::vector<int32_t>& rows, const Fill& fill);
+  bool CreditOk(Rank& me, DirectionOf dir, int64_t peer, uint64_t round);
+  void FlushQueues(Rank& me, DirectionOf dir);
+  // Receive side.
+  void Receive(Rank& me, DirectionOf dir, const int32_t* ticket, const char* op, std::function<void()> finish,
+               Done done);
+  bool Arrived(Rank& me, DirectionOf dir, uint64_t round, std::vector<int32_t>* missing);
+  void Complete(Rank& me, DirectionOf dir, uint64_t round, const std::function<void()>& finish, const Done& done);
+  void Release(Rank& me, DirectionOf dir, uint64_t round);
+  void ProgressLoop();
 
   CommOptions options_;
   int32_t process_;
@@ -82,6 +114,11 @@ class CpuComm {
   std::unordered_map<int64_t, Rank*> by_device_;
   mutable std::mutex failure_mu_;
   std::string failure_;
+  // Queues, staging and credits of every local rank; receivers and the progress thread sleep on cv_.
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread progress_;
 };
 
 // Process-wide registry, so that XLA handlers find a CpuComm from the slot attribute of their call.

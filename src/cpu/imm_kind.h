@@ -1,5 +1,6 @@
-// Immediates of the CPU protocol: what a write means (2 bits) and which Communicator it belongs to (18 bits).
-// One TransferEngine serves one device, so the sending peer identifies the sending rank.
+// Immediates of the CPU protocol: what a write means (2 bits), the rank that wrote it (12 bits), the buffer lane
+// it is about (3 bits) and the Communicator (15 bits). With rank and lane in the value, arrivals and credits are
+// counted per peer and lane without blocking.
 #pragma once
 #include <cstdint>
 
@@ -7,10 +8,16 @@ namespace jax_moe::cpu {
 
 enum class ImmKind : uint32_t { kDispatchData = 0, kCombineData = 1, kDispatchCredit = 2, kCombineCredit = 3 };
 
-constexpr uint32_t kCommSlotBits = 18;
+constexpr uint32_t kCommSlotBits = 15;
+constexpr uint32_t kLaneBits = 3;
+constexpr uint32_t kRankBits = 12;
+constexpr int64_t kMaxRanks = int64_t(1) << kRankBits;
+constexpr int64_t kMaxLanes = int64_t(1) << kLaneBits;
 
-constexpr uint32_t MakeImm(ImmKind kind, uint32_t comm_slot) {
-  return (static_cast<uint32_t>(kind) << kCommSlotBits) | (comm_slot & ((1u << kCommSlotBits) - 1));
+constexpr uint32_t MakeImm(ImmKind kind, uint32_t comm_slot, uint32_t rank, uint32_t lane) {
+  return (static_cast<uint32_t>(kind) << (kCommSlotBits + kLaneBits + kRankBits)) |
+         ((rank & (kMaxRanks - 1)) << (kCommSlotBits + kLaneBits)) | ((lane & (kMaxLanes - 1)) << kCommSlotBits) |
+         (comm_slot & ((1u << kCommSlotBits) - 1));
 }
 
 }  // namespace jax_moe::cpu

@@ -45,6 +45,21 @@ ffi::Error WithComm(int64_t slot, Fn&& fn) {
   return ffi::Error::Success();
 }
 
+// Runs a receive half, which reports through a callback before it returns.
+template <typename Start>
+ffi::Error RunRecv(int64_t slot, Start&& start) {
+  auto comm = cpu::FindComm(uint32_t(slot));
+  if (!comm) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "jax_moe: Communicator " + std::to_string(slot) + " is not set up in this process");
+  }
+  ffi::Error result = ffi::Error::Success();
+  start(*comm, [&result](const Error* error) {
+    if (error) result = ToFfi(*error);
+  });
+  return result;
+}
+
 template <typename B>
 bool HasDims(const B& buffer, std::initializer_list<int64_t> dims) {
   auto d = buffer.dimensions();
@@ -60,15 +75,20 @@ ffi::Error Mismatch(const char* what) {
   return ffi::Error::InvalidArgument(std::string("jax_moe: ") + what + " does not match the Communicator's config");
 }
 
-ffi::Error DispatchSend(int32_t device, int64_t slot, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
+ffi::Error DispatchSend(int32_t device, int64_t slot, bool per_slot, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
                         ffi::Buffer<ffi::S32> topk_idx, ffi::Result<ffi::Buffer<ffi::S32>> slot_out,
                         ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
   auto comm = cpu::FindComm(uint32_t(slot));
+  const int64_t t = topk_idx.dimensions().size() == 2 ? topk_idx.dimensions()[0] : -1;
   if (comm) {
     const auto& s = comm->options().shape;
-    const int64_t t = x.dimensions().size() == 2 ? x.dimensions()[0] : -1;
-    if (!HasDims(x, {t, s.hidden}) || int64_t(ffi::ByteWidth(x.element_type())) != s.x_itemsize) return Mismatch("x");
-    if (!HasDims(x_scale, {t, s.num_scales}) || x_scale.element_type() != ffi::F32) return Mismatch("x_scale");
+    const int64_t rows = per_slot ? t * s.experts_per_token : t;
+    if (!HasDims(x, {rows, s.hidden}) || int64_t(ffi::ByteWidth(x.element_type())) != s.x_itemsize) {
+      return Mismatch("x");
+    }
+    if (!HasDims(x_scale, {rows, per_slot ? 0 : s.num_scales}) || x_scale.element_type() != ffi::F32) {
+      return Mismatch("x_scale");
+    }
     if (!HasDims(topk_idx, {t, s.experts_per_token}) || !HasDims(*slot_out, {t * s.experts_per_token}) ||
         ticket->element_count() != 2) {
       return Mismatch("topk_idx");
@@ -76,14 +96,14 @@ ffi::Error DispatchSend(int32_t device, int64_t slot, ffi::AnyBuffer x, ffi::Any
   }
   return WithComm(slot, [&](cpu::CpuComm& c) {
     c.DispatchSend(device, static_cast<const uint8_t*>(x.untyped_data()),
-                   static_cast<const uint8_t*>(x_scale.untyped_data()), topk_idx.typed_data(),
-                   x.dimensions()[0], slot_out->typed_data(), ticket->typed_data());
+                   static_cast<const uint8_t*>(x_scale.untyped_data()), topk_idx.typed_data(), t, per_slot,
+                   slot_out->typed_data(), ticket->typed_data());
   });
 }
 
-ffi::Error DispatchRecv(int32_t device, int64_t slot, ffi::Buffer<ffi::S32> ticket, ffi::Result<ffi::AnyBuffer> expert_x,
-                        ffi::Result<ffi::AnyBuffer> expert_x_scale, ffi::Result<ffi::Buffer<ffi::S32>> counts,
-                        ffi::Result<ffi::Buffer<ffi::S32>> dest) {
+ffi::Error DispatchRecv(int32_t device, int64_t slot, ffi::Buffer<ffi::S32> ticket,
+                         ffi::Result<ffi::AnyBuffer> expert_x, ffi::Result<ffi::AnyBuffer> expert_x_scale,
+                         ffi::Result<ffi::Buffer<ffi::S32>> counts, ffi::Result<ffi::Buffer<ffi::S32>> dest) {
   auto comm = cpu::FindComm(uint32_t(slot));
   if (comm) {
     const auto& s = comm->options().shape;
@@ -96,9 +116,10 @@ ffi::Error DispatchRecv(int32_t device, int64_t slot, ffi::Buffer<ffi::S32> tick
       return Mismatch("dispatch_recv outputs");
     }
   }
-  return WithComm(slot, [&](cpu::CpuComm& c) {
+  return RunRecv(slot, [&](cpu::CpuComm& c, cpu::Done done) {
     c.DispatchRecv(device, ticket.typed_data(), static_cast<uint8_t*>(expert_x->untyped_data()),
-                   static_cast<uint8_t*>(expert_x_scale->untyped_data()), counts->typed_data(), dest->typed_data());
+                   static_cast<uint8_t*>(expert_x_scale->untyped_data()), counts->typed_data(), dest->typed_data(),
+                   std::move(done));
   });
 }
 
@@ -117,21 +138,24 @@ ffi::Error CombineSend(int32_t device, int64_t slot, ffi::AnyBuffer expert_y, ff
   });
 }
 
-ffi::Error CombineRecv(int32_t device, int64_t slot, ffi::Buffer<ffi::S32> ticket, ffi::Buffer<ffi::F32> topk_weights,
-                       ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error CombineRecv(int32_t device, int64_t slot, bool reduce, ffi::Buffer<ffi::S32> ticket,
+                        ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> slots,
+                        ffi::Result<ffi::AnyBuffer> out) {
   auto comm = cpu::FindComm(uint32_t(slot));
-  const int64_t t = out->dimensions().size() == 2 ? out->dimensions()[0] : -1;
+  const int64_t t = topk_weights.dimensions().size() == 2 ? topk_weights.dimensions()[0] : -1;
   if (comm) {
     const auto& s = comm->options().shape;
-    if (!HasDims(*out, {t, s.hidden}) || out->element_type() != ffi::BF16) return Mismatch("combine output");
+    if (!HasDims(*out, {reduce ? t : t * s.experts_per_token, s.hidden}) || out->element_type() != ffi::BF16) {
+      return Mismatch("combine output");
+    }
     if (!HasDims(topk_weights, {t, s.experts_per_token}) || !HasDims(slots, {t * s.experts_per_token}) ||
         ticket.element_count() != 2) {
       return Mismatch("topk_weights");
     }
   }
-  return WithComm(slot, [&](cpu::CpuComm& c) {
-    c.CombineRecv(device, ticket.typed_data(), topk_weights.typed_data(), slots.typed_data(), t,
-                  static_cast<uint8_t*>(out->untyped_data()));
+  return RunRecv(slot, [&](cpu::CpuComm& c, cpu::Done done) {
+    c.CombineRecv(device, ticket.typed_data(), topk_weights.typed_data(), slots.typed_data(), t, reduce,
+                  static_cast<uint8_t*>(out->untyped_data()), std::move(done));
   });
 }
 
@@ -144,6 +168,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCpuDispatchSend, h::DispatchSend,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<int64_t>("comm")
+                                  .Attr<bool>("per_slot")
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -172,6 +197,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCpuCombineRecv, h::CombineRecv,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<int64_t>("comm")
+                                  .Attr<bool>("reduce")
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -1,0 +1,209 @@
+// The four halves of CpuComm: what goes into a region, and what comes out of the received ones.
+#include <algorithm>
+#include <cstring>
+
+#include "cpu/bf16.h"
+#include "cpu/rank_state.h"
+#include "proxy/region_header.h"
+
+namespace jax_moe::cpu {
+
+using proxy::MoeShape;
+using proxy::RegionHeader;
+
+namespace {
+
+void WriteHeader(uint8_t* region, const MoeShape& s, uint32_t slot, uint64_t round, int32_t sender, int32_t rows,
+                 const int32_t* counts, int32_t error, int64_t error_value) {
+  auto* h = reinterpret_cast<RegionHeader*>(region);
+  h->magic = proxy::kRegionMagic;
+  h->comm = slot;
+  h->seq = round;
+  h->sender = sender;
+  h->error = error;
+  h->error_value = error_value;
+  h->rows = rows;
+  h->pad = 0;
+  if (counts) std::memcpy(proxy::HeaderCounts(h), counts, 4 * s.local_experts);
+}
+
+// Every sender's header of `round`, checked: nothing a peer sends can make us read or write outside a buffer.
+std::vector<const RegionHeader*> CheckedHeaders(const CpuComm::Direction& d, const MoeShape& s, uint32_t slot,
+                                                uint64_t round) {
+  const int64_t n = s.num_ranks;
+  std::vector<const RegionHeader*> headers(n);
+  for (int64_t p = 0; p < n; ++p) {
+    headers[p] = reinterpret_cast<const RegionHeader*>(d.Region(n, round, p));
+    std::string problem = proxy::CheckHeader(*headers[p], s, slot, round, int32_t(p), d.has_counts);
+    if (!problem.empty()) Throw(ErrorCode::kPeerFailed, std::string(d.name) + ": " + problem);
+  }
+  for (int64_t p = 0; p < n; ++p) {
+    if (headers[p]->error == int32_t(proxy::SenderError::kExpertOutOfRange)) {
+      Throw(ErrorCode::kInvalidArgument, "dispatch: rank " + std::to_string(p) + " was given expert id " +
+                                             std::to_string(headers[p]->error_value) + ", outside [0, " +
+                                             std::to_string(s.num_experts) + ")");
+    }
+  }
+  return headers;
+}
+
+void WriteTicket(int32_t* ticket, uint64_t round, uint32_t slot) {
+  ticket[0] = int32_t(round & 0x7fffffff);
+  ticket[1] = int32_t(slot);
+}
+
+}  // namespace
+
+void CpuComm::DispatchSend(int64_t device, const uint8_t* x, const uint8_t* x_scale, const int32_t* topk_idx,
+                           int64_t tokens, bool per_slot, int32_t* slot, int32_t* ticket) {
+  Guard([&] {
+    Rank& me = RankOf(device);
+    const MoeShape& s = options_.shape;
+    Require(tokens <= s.max_tokens, "dispatch_send: more tokens than max_tokens");
+    proxy::ComputeSendPlan(topk_idx, tokens, s, &me.plan);
+    Direction& d = me.dispatch;
+    const uint64_t round = ++d.send_round;
+    const int64_t r = s.experts_per_token, c = s.rows_per_peer();
+    const uint64_t xb = s.x_bytes(), sb = s.scale_bytes();
+    const bool bad = me.plan.bad_index >= 0;
+    SendRound(me, &Rank::dispatch, round, me.plan.rows, [&](const std::vector<uint8_t*>& regions) {
+      for (int64_t t = 0; t < tokens; ++t) {
+        for (int64_t k = 0; k < r; ++k) {
+          const int32_t sl = me.plan.slot[t * r + k];
+          if (sl < 0) continue;
+          uint8_t* row = regions[sl / c] + d.header_bytes + uint64_t(sl % c) * d.row_bytes;
+          std::memcpy(row, x + (per_slot ? t * r + k : t) * xb, xb);
+          if (sb && !per_slot) std::memcpy(row + xb, x_scale + t * sb, sb);
+        }
+      }
+      for (int64_t p = 0; p < s.num_ranks; ++p) {
+        WriteHeader(regions[p], s, options_.slot, round, me.info.rank, me.plan.rows[p],
+                    &me.plan.counts[p * s.local_experts],
+                    int32_t(bad ? proxy::SenderError::kExpertOutOfRange : proxy::SenderError::kNone),
+                    me.plan.bad_value);
+      }
+    });
+    std::copy(me.plan.slot.begin(), me.plan.slot.end(), slot);
+    WriteTicket(ticket, round, options_.slot);
+    if (bad) {
+      const int64_t t = me.plan.bad_index / r, k = me.plan.bad_index % r;
+      Throw(ErrorCode::kInvalidArgument, "dispatch_send: expert id " + std::to_string(me.plan.bad_value) +
+                                             " at token " + std::to_string(t) + ", k " + std::to_string(k) +
+                                             " is outside [0, " + std::to_string(s.num_experts) + ")");
+    }
+  });
+}
+
+void CpuComm::DispatchRecv(int64_t device, const int32_t* ticket, uint8_t* expert_x, uint8_t* expert_x_scale,
+                           int32_t* expert_counts, int32_t* dest, Done done) {
+  Rank* me;
+  try {
+    me = &RankOf(device);
+  } catch (const Error& e) {
+    done(&e);
+    return;
+  }
+  Direction& d = me->dispatch;
+  const uint64_t round = uint32_t(ticket[0]);
+  auto finish = [this, &d, round, expert_x, expert_x_scale, expert_counts, dest] {
+    const MoeShape& s = options_.shape;
+    auto headers = CheckedHeaders(d, s, options_.slot, round);
+    const int64_t n = s.num_ranks, l = s.local_experts, c = s.rows_per_peer();
+    std::vector<int32_t> counts(n * l);
+    for (int64_t p = 0; p < n; ++p) std::memcpy(&counts[p * l], proxy::HeaderCounts(headers[p]), 4 * l);
+    proxy::ComputeRecvLayout(counts, s, dest, expert_counts);
+    const uint64_t xb = s.x_bytes(), sb = s.scale_bytes();
+    int64_t total = 0;
+    for (int64_t p = 0; p < n; ++p) {
+      const uint8_t* base = reinterpret_cast<const uint8_t*>(headers[p]) + d.header_bytes;
+      for (int32_t j = 0; j < headers[p]->rows; ++j) {
+        const int64_t row = dest[p * c + j];
+        std::memcpy(expert_x + row * xb, base + j * d.row_bytes, xb);
+        if (sb) std::memcpy(expert_x_scale + row * sb, base + j * d.row_bytes + xb, sb);
+      }
+      total += headers[p]->rows;
+    }
+    const int64_t m = s.max_recv_rows();  // padding rows are zero, as in the reference
+    std::memset(expert_x + total * xb, 0, (m - total) * xb);
+    if (sb) std::memset(expert_x_scale + total * sb, 0, (m - total) * sb);
+  };
+  Receive(*me, &Rank::dispatch, ticket, "dispatch_recv", finish, std::move(done));
+}
+
+void CpuComm::CombineSend(int64_t device, const uint8_t* expert_y, const int32_t* dest, int32_t* ticket) {
+  Guard([&] {
+    Rank& me = RankOf(device);
+    const MoeShape& s = options_.shape;
+    Direction& d = me.combine;
+    const uint64_t round = ++d.send_round;
+    const int64_t n = s.num_ranks, c = s.rows_per_peer(), m = s.max_recv_rows();
+    const uint64_t yb = uint64_t(s.hidden) * s.y_itemsize;
+    std::vector<int32_t> rows(n, 0);
+    for (int64_t p = 0; p < n; ++p) {
+      const int32_t* dp = dest + p * c;
+      int32_t j = 0;
+      while (j < c && dp[j] >= 0) {
+        Require(dp[j] < m, "combine_send: the dispatch route points outside expert_y");
+        ++j;
+      }
+      rows[p] = j;
+    }
+    SendRound(me, &Rank::combine, round, rows, [&](const std::vector<uint8_t*>& regions) {
+      for (int64_t p = 0; p < n; ++p) {
+        uint8_t* base = regions[p] + d.header_bytes;
+        for (int32_t j = 0; j < rows[p]; ++j) {
+          std::memcpy(base + j * d.row_bytes, expert_y + int64_t(dest[p * c + j]) * yb, yb);
+        }
+        WriteHeader(regions[p], s, options_.slot, round, me.info.rank, rows[p], nullptr, 0, 0);
+      }
+    });
+    WriteTicket(ticket, round, options_.slot);
+  });
+}
+
+void CpuComm::CombineRecv(int64_t device, const int32_t* ticket, const float* topk_weights, const int32_t* slot,
+                          int64_t tokens, bool reduce, uint8_t* out, Done done) {
+  Rank* me;
+  try {
+    me = &RankOf(device);
+  } catch (const Error& e) {
+    done(&e);
+    return;
+  }
+  Direction& d = me->combine;
+  const uint64_t round = uint32_t(ticket[0]);
+  auto finish = [this, me, &d, round, topk_weights, slot, tokens, reduce, out] {
+    const MoeShape& s = options_.shape;
+    auto headers = CheckedHeaders(d, s, options_.slot, round);
+    const int64_t n = s.num_ranks, r = s.experts_per_token, c = s.rows_per_peer(), h = s.hidden;
+    auto* o = reinterpret_cast<uint16_t*>(out);
+    float* acc = me->acc.data();
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::fill(acc, acc + h, 0.0f);
+      for (int64_t k = 0; k < r; ++k) {
+        const int32_t sl = slot[t * r + k];
+        if (!reduce && sl < 0) std::fill(o + (t * r + k) * h, o + (t * r + k + 1) * h, uint16_t(0));
+        if (sl < 0) continue;
+        const int64_t p = sl / c, pos = sl % c;
+        if (p >= n || pos >= headers[p]->rows) {
+          Throw(ErrorCode::kPeerFailed, "combine_recv: rank " + std::to_string(p) + " returned " +
+                                            std::to_string(p < n ? headers[p]->rows : 0) + " rows, row " +
+                                            std::to_string(pos) + " was expected");
+        }
+        const auto* y = reinterpret_cast<const uint16_t*>(reinterpret_cast<const uint8_t*>(headers[p]) +
+                                                          d.header_bytes + pos * d.row_bytes);
+        if (!reduce) {
+          std::memcpy(o + (t * r + k) * h, y, h * sizeof(uint16_t));
+          continue;
+        }
+        const float w = topk_weights[t * r + k];
+        for (int64_t i = 0; i < h; ++i) acc[i] += w * Bf16ToFloat(y[i]);
+      }
+      if (!reduce) continue;
+      for (int64_t i = 0; i < h; ++i) o[t * h + i] = FloatToBf16(acc[i]);
+    }
+  };
+  Receive(*me, &Rank::combine, ticket, "combine_recv", finish, std::move(done));
+}
+
+}  // namespace jax_moe::cpu
