@@ -46,6 +46,15 @@ def _register_targets() -> None:
         _registered = True
 
 
+def timestamp(a: jax.Array, dep: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(a, t): `a` passed through (aliased) and the host clock in ns as uint32 [low, high], taken once `a` and `dep`
+    are ready. Feed the returned `a` to the next operation so that it runs after the stamp. Used by the benchmark."""
+    _register_targets()
+    return jax.ffi.ffi_call(_TARGET.format("timestamp"),
+                            (jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct((2,), jnp.uint32)),
+                            has_side_effect=True, input_output_aliases={0: 0})(a, dep)
+
+
 def rank_table(mesh, axis_name) -> list[tuple[int, int, int, int]]:
     """(device id, process, group, rank) for every device of the mesh; rank = position on the EP axes."""
     axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)

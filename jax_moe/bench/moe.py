@@ -3,7 +3,7 @@
 On GPUs every iteration is timed on the device: a tiny FFI op stamps %globaltimer between the halves (it passes its
 input through, aliased, so it sits in the data-dependency chain). Iterations are unrolled inside one program so the
 ranks stay in step; p50/p99 over >= 1000 iterations after a warm-up. On CPUs (backends "cpu" and "xla") the halves are
-timed by the host clock around whole programs. Besides the jax_moe backends, "xla-ragged" is MaxText's way on GPU:
+timed by the host clock with the same stamps (a CPU FFI op), one iteration per program. Besides the jax_moe backends, "xla-ragged" is MaxText's way on GPU:
 sort by expert, `ragged_all_to_all`, local permute, and back. Prints a table; writes results.json and moe.png to --out.
 """
 from __future__ import annotations
@@ -183,36 +183,38 @@ def _gpu_run(kind, comm_or_none, mesh, n, l, inputs, iters, unroll, warmup):
 
 
 def _cpu_run(comm, mesh, inputs, iters, warmup):
+    """Host-clock stamps between the halves (the same chain as on GPU, one iteration per program)."""
+    from jax_moe.backends.cpu import timestamp
+
     axis = mesh.axis_names[0]
     x, xs, idx, w = inputs
 
-    def disp(x, xs, idx):
-        return comm.dispatch(x, idx, x_scale=xs).expert_x
+    def body(x, xs, idx, w):
+        words = []
 
-    def both(x, xs, idx, w):
-        d = comm.dispatch(x, idx, x_scale=xs)
-        return comm.combine(d.expert_x.astype(comm.cfg.combine_dtype), w, d)
+        def stamp32(a, dep):
+            a, t = timestamp(a, dep)
+            words.append(t)
+            return a, jnp.zeros((1,), jnp.float32)
 
-    specs = (P(axis), None if xs is None else P(axis), P(axis))
-    fd = jax.jit(jax.shard_map(disp, mesh=mesh, in_specs=specs, out_specs=P(axis)))
-    fb = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=specs + (P(axis),), out_specs=P(axis)))
+        out, _ = _api_iteration(comm, stamp32, x, xs, idx, w, x)
+        return out, jnp.stack(words)[None]
+
+    specs = (P(axis), None if xs is None else P(axis), P(axis), P(axis))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(axis), P(axis)), check_vma=False))
     sh = NamedSharding(mesh, P(axis))
     args = [None if a is None else jax.device_put(a, sh) for a in (x, xs, idx, w)]
     for _ in range(warmup + 1):
-        jax.block_until_ready(fd(*args[:3]))
-        jax.block_until_ready(fb(*args))
-    td, tb = [], []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fd(*args[:3]))
-        td.append((time.perf_counter() - t) * 1e6)
-        t = time.perf_counter()
-        jax.block_until_ready(fb(*args))
-        tb.append((time.perf_counter() - t) * 1e6)
-    td, tb = np.asarray(td), np.asarray(tb)
-    nan = np.full_like(td, np.nan)
-    return {"dispatch_send": nan, "dispatch_recv": nan, "dispatch": td, "combine_send": nan, "combine_recv": nan,
-            "combine": np.maximum(tb - td, 0)}
+        jax.block_until_ready(f(*args))
+    runs = [np.asarray(f(*args)[1]) for _ in range(iters)]  # [iters][n, 6, 2] uint32
+    ns = np.stack(runs, axis=1).astype(np.int64)
+    ns = ns[..., 0] | (ns[..., 1] << 32)  # [n, iters, 6]
+    d = np.diff(ns, axis=-1) / 1e3  # us: send, recv, expert stand-in, send, recv
+    per = {"dispatch_send": d[..., 0], "dispatch_recv": d[..., 1], "combine_send": d[..., 3],
+           "combine_recv": d[..., 4]}
+    per["dispatch"] = per["dispatch_send"] + per["dispatch_recv"]
+    per["combine"] = per["combine_send"] + per["combine_recv"]
+    return {k: v.max(axis=0) for k, v in per.items()}  # the slowest rank sets the pace
 
 
 def _summary(samples):

@@ -86,6 +86,7 @@ void RegisterCpu(nb::module_& m) {
     d["dispatch_recv"] = Capsule(JaxMoeCpuDispatchRecv);
     d["combine_send"] = Capsule(JaxMoeCpuCombineSend);
     d["combine_recv"] = Capsule(JaxMoeCpuCombineRecv);
+    d["timestamp"] = Capsule(JaxMoeCpuTimestamp);
     return d;
   });
 }
