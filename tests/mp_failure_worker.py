@@ -26,6 +26,8 @@ import jax_moe  # noqa: E402
 
 def finish(line: str) -> None:
     print(line, flush=True)
+    if proc == 0:  # process 0 hosts jax.distributed's coordination service: give the others time to report first
+        time.sleep(8)
     os._exit(0)  # skip jax.distributed's shutdown barrier: a peer is gone on purpose
 
 

@@ -242,61 +242,36 @@ bool CpuComm::Arrived(Rank& me, DirectionOf dir, uint64_t round, std::vector<int
   return all;
 }
 
-void CpuComm::Receive(Rank& me, DirectionOf dir, const int32_t* ticket, const char* op, std::function<void()> finish,
-                      Done done) {
-  try {
-    CheckHealthy();
-    Direction& d = me.*dir;
-    const uint64_t round = uint32_t(ticket[0]);
-    if (uint32_t(ticket[1]) != options_.slot || round == 0 || round > d.send_round) {
-      Throw(ErrorCode::kInvalidArgument, std::string(op) + ": the handle does not come from this Communicator's "
-                                                           "send half on this device");
-    }
-    // Block this device's XLA thread until every sender's region is there: XLA:CPU runs a device's program in one
-    // fixed order on every rank, so a receive only waits for sends that come earlier in that order, and sends never
-    // block. Every wait is bounded by the timeout and names the ranks that did not answer.
-    const Deadline deadline = Deadline::After(options_.timeout_s);
-    std::vector<int32_t> missing;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      while (!Arrived(me, dir, round, nullptr)) {
-        CheckHealthy();
-        if (deadline.Expired()) {
-          Arrived(me, dir, round, &missing);
-          Throw(ErrorCode::kTimeout,
-                std::string(d.name) + " on rank " + std::to_string(me.info.rank) + ": no data from ranks " +
-                    RankList(missing) + " within " + std::to_string(options_.timeout_s) + " s (round " +
-                    std::to_string(round) + "; more than " + std::to_string(d.lanes) +
-                    " rounds of one Communicator in flight also stall: one Communicator per layer keeps them few)");
-        }
-        cv_.wait_for(lock, me.remote_ranks.empty() ? std::chrono::microseconds(20000)
-                                                   : std::chrono::microseconds(100));
+void CpuComm::Receive(Rank& me, DirectionOf dir, const int32_t* ticket, const char* op,
+                      const std::function<void()>& finish) {
+  Direction& d = me.*dir;
+  const uint64_t round = uint32_t(ticket[0]);
+  if (uint32_t(ticket[1]) != options_.slot || round == 0 || round > d.send_round) {
+    Throw(ErrorCode::kInvalidArgument,
+          std::string(op) + ": the handle does not come from this Communicator's send half on this device");
+  }
+  // Block this device's XLA thread until every sender's region is there: XLA:CPU runs a device's program in one
+  // fixed order on every rank, so a receive only waits for sends that come earlier in that order, and sends never
+  // block. Every wait is bounded by the timeout and names the ranks that did not answer.
+  const Deadline deadline = Deadline::After(options_.timeout_s);
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!Arrived(me, dir, round, nullptr)) {
+      CheckHealthy();
+      if (deadline.Expired()) {
+        std::vector<int32_t> missing;
+        Arrived(me, dir, round, &missing);
+        Throw(ErrorCode::kTimeout,
+              std::string(d.name) + " on rank " + std::to_string(me.info.rank) + ": no data from ranks " +
+                  RankList(missing) + " within " + std::to_string(options_.timeout_s) + " s (round " +
+                  std::to_string(round) + "; more than " + std::to_string(d.lanes) +
+                  " rounds of one Communicator in flight also stall: one Communicator per layer keeps them few)");
       }
+      cv_.wait_for(lock, me.remote_ranks.empty() ? std::chrono::microseconds(20000) : std::chrono::microseconds(100));
     }
-    Complete(me, dir, round, finish, done);
-  } catch (const Error& e) {
-    Fail(e.what());
-    done(&e);
   }
-}
-
-void CpuComm::Complete(Rank& me, DirectionOf dir, uint64_t round, const std::function<void()>& finish,
-                       const Done& done) {
-  try {
-    CheckHealthy();
-    finish();
-    Release(me, dir, round);
-  } catch (const Error& e) {
-    Fail(e.what());
-    done(&e);
-    return;
-  } catch (const std::exception& e) {
-    Error error(ErrorCode::kInternal, e.what());
-    Fail(e.what());
-    done(&error);
-    return;
-  }
-  done(nullptr);
+  finish();
+  Release(me, dir, round);
 }
 
 void CpuComm::Release(Rank& me, DirectionOf dir, uint64_t round) {

@@ -55,9 +55,6 @@ struct Endpoint {
   std::string combine_region;
 };
 
-// Completion of a receive half: nullptr on success. Called exactly once, before the receive half returns.
-using Done = std::function<void(const Error* error)>;
-
 class CpuComm {
  public:
   CpuComm(const CommOptions& options, const std::vector<RankInfo>& table, int32_t process);
@@ -72,17 +69,17 @@ class CpuComm {
   void Connect(const std::vector<Endpoint>& remote);
   uint64_t BytesAllocated() const;
 
-  // The four halves, for the local rank on `device`. Tickets are int32[2] = {round, comm slot}. Send halves throw
-  // jax_moe::Error; receive halves report through `done` (output pointers must stay valid until it is called).
+  // The four halves, for the local rank on `device`. Tickets are int32[2] = {round, comm slot}. They throw
+  // jax_moe::Error; any error marks the CpuComm failed.
   // per_slot: x holds one row per (token, k) ([T * R] rows, no scales) instead of one per token (the gradients).
   void DispatchSend(int64_t device, const uint8_t* x, const uint8_t* x_scale, const int32_t* topk_idx, int64_t tokens,
                     bool per_slot, int32_t* slot, int32_t* ticket);
   void DispatchRecv(int64_t device, const int32_t* ticket, uint8_t* expert_x, uint8_t* expert_x_scale,
-                    int32_t* expert_counts, int32_t* dest, Done done);
+                    int32_t* expert_counts, int32_t* dest);
   void CombineSend(int64_t device, const uint8_t* expert_y, const int32_t* dest, int32_t* ticket);
   // reduce: out [T, H] = float32 sum of w * y over k; else out [T * R, H] = each (token, k)'s row, 0 if masked.
   void CombineRecv(int64_t device, const int32_t* ticket, const float* topk_weights, const int32_t* slot,
-                   int64_t tokens, bool reduce, uint8_t* out, Done done);
+                   int64_t tokens, bool reduce, uint8_t* out);
 
   struct Rank;
   struct Direction;
@@ -92,7 +89,7 @@ class CpuComm {
   Rank& RankOf(int64_t device);
   void CheckHealthy() const;
   void Fail(const std::string& message);
-  // Runs a send half: a failure marks the CpuComm failed and is rethrown.
+  // Runs a half: a failure marks the CpuComm failed and is rethrown.
   void Guard(const std::function<void()>& fn);
 
   // Send side (cpu/delivery.cc).
@@ -101,10 +98,9 @@ class CpuComm {
   bool CreditOk(Rank& me, DirectionOf dir, int64_t peer, uint64_t round);
   void FlushQueues(Rank& me, DirectionOf dir);
   // Receive side.
-  void Receive(Rank& me, DirectionOf dir, const int32_t* ticket, const char* op, std::function<void()> finish,
-               Done done);
+  // Waits (bounded) for every sender's region of the ticket's round, runs `finish` on them, then releases the lane.
+  void Receive(Rank& me, DirectionOf dir, const int32_t* ticket, const char* op, const std::function<void()>& finish);
   bool Arrived(Rank& me, DirectionOf dir, uint64_t round, std::vector<int32_t>* missing);
-  void Complete(Rank& me, DirectionOf dir, uint64_t round, const std::function<void()>& finish, const Done& done);
   void Release(Rank& me, DirectionOf dir, uint64_t round);
   void ProgressLoop();
 

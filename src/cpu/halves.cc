@@ -95,39 +95,34 @@ void CpuComm::DispatchSend(int64_t device, const uint8_t* x, const uint8_t* x_sc
 }
 
 void CpuComm::DispatchRecv(int64_t device, const int32_t* ticket, uint8_t* expert_x, uint8_t* expert_x_scale,
-                           int32_t* expert_counts, int32_t* dest, Done done) {
-  Rank* me;
-  try {
-    me = &RankOf(device);
-  } catch (const Error& e) {
-    done(&e);
-    return;
-  }
-  Direction& d = me->dispatch;
-  const uint64_t round = uint32_t(ticket[0]);
-  auto finish = [this, &d, round, expert_x, expert_x_scale, expert_counts, dest] {
-    const MoeShape& s = options_.shape;
-    auto headers = CheckedHeaders(d, s, options_.slot, round);
-    const int64_t n = s.num_ranks, l = s.local_experts, c = s.rows_per_peer();
-    std::vector<int32_t> counts(n * l);
-    for (int64_t p = 0; p < n; ++p) std::memcpy(&counts[p * l], proxy::HeaderCounts(headers[p]), 4 * l);
-    proxy::ComputeRecvLayout(counts, s, dest, expert_counts);
-    const uint64_t xb = s.x_bytes(), sb = s.scale_bytes();
-    int64_t total = 0;
-    for (int64_t p = 0; p < n; ++p) {
-      const uint8_t* base = reinterpret_cast<const uint8_t*>(headers[p]) + d.header_bytes;
-      for (int32_t j = 0; j < headers[p]->rows; ++j) {
-        const int64_t row = dest[p * c + j];
-        std::memcpy(expert_x + row * xb, base + j * d.row_bytes, xb);
-        if (sb) std::memcpy(expert_x_scale + row * sb, base + j * d.row_bytes + xb, sb);
+                           int32_t* expert_counts, int32_t* dest) {
+  Guard([&] {
+    Rank& me = RankOf(device);
+    const Direction& d = me.dispatch;
+    const uint64_t round = uint32_t(ticket[0]);
+    Receive(me, &Rank::dispatch, ticket, "dispatch_recv", [&] {
+      const MoeShape& s = options_.shape;
+      auto headers = CheckedHeaders(d, s, options_.slot, round);
+      const int64_t n = s.num_ranks, l = s.local_experts, c = s.rows_per_peer();
+      std::vector<int32_t> counts(n * l);
+      for (int64_t p = 0; p < n; ++p) std::memcpy(&counts[p * l], proxy::HeaderCounts(headers[p]), 4 * l);
+      proxy::ComputeRecvLayout(counts, s, dest, expert_counts);
+      const uint64_t xb = s.x_bytes(), sb = s.scale_bytes();
+      int64_t total = 0;
+      for (int64_t p = 0; p < n; ++p) {
+        const uint8_t* base = reinterpret_cast<const uint8_t*>(headers[p]) + d.header_bytes;
+        for (int32_t j = 0; j < headers[p]->rows; ++j) {
+          const int64_t row = dest[p * c + j];
+          std::memcpy(expert_x + row * xb, base + j * d.row_bytes, xb);
+          if (sb) std::memcpy(expert_x_scale + row * sb, base + j * d.row_bytes + xb, sb);
+        }
+        total += headers[p]->rows;
       }
-      total += headers[p]->rows;
-    }
-    const int64_t m = s.max_recv_rows();  // padding rows are zero, as in the reference
-    std::memset(expert_x + total * xb, 0, (m - total) * xb);
-    if (sb) std::memset(expert_x_scale + total * sb, 0, (m - total) * sb);
-  };
-  Receive(*me, &Rank::dispatch, ticket, "dispatch_recv", finish, std::move(done));
+      const int64_t m = s.max_recv_rows();  // padding rows are zero, as in the reference
+      std::memset(expert_x + total * xb, 0, (m - total) * xb);
+      if (sb) std::memset(expert_x_scale + total * sb, 0, (m - total) * sb);
+    });
+  });
 }
 
 void CpuComm::CombineSend(int64_t device, const uint8_t* expert_y, const int32_t* dest, int32_t* ticket) {
@@ -162,48 +157,43 @@ void CpuComm::CombineSend(int64_t device, const uint8_t* expert_y, const int32_t
 }
 
 void CpuComm::CombineRecv(int64_t device, const int32_t* ticket, const float* topk_weights, const int32_t* slot,
-                          int64_t tokens, bool reduce, uint8_t* out, Done done) {
-  Rank* me;
-  try {
-    me = &RankOf(device);
-  } catch (const Error& e) {
-    done(&e);
-    return;
-  }
-  Direction& d = me->combine;
-  const uint64_t round = uint32_t(ticket[0]);
-  auto finish = [this, me, &d, round, topk_weights, slot, tokens, reduce, out] {
-    const MoeShape& s = options_.shape;
-    auto headers = CheckedHeaders(d, s, options_.slot, round);
-    const int64_t n = s.num_ranks, r = s.experts_per_token, c = s.rows_per_peer(), h = s.hidden;
-    auto* o = reinterpret_cast<uint16_t*>(out);
-    float* acc = me->acc.data();
-    for (int64_t t = 0; t < tokens; ++t) {
-      std::fill(acc, acc + h, 0.0f);
-      for (int64_t k = 0; k < r; ++k) {
-        const int32_t sl = slot[t * r + k];
-        if (!reduce && sl < 0) std::fill(o + (t * r + k) * h, o + (t * r + k + 1) * h, uint16_t(0));
-        if (sl < 0) continue;
-        const int64_t p = sl / c, pos = sl % c;
-        if (p >= n || pos >= headers[p]->rows) {
-          Throw(ErrorCode::kPeerFailed, "combine_recv: rank " + std::to_string(p) + " returned " +
-                                            std::to_string(p < n ? headers[p]->rows : 0) + " rows, row " +
-                                            std::to_string(pos) + " was expected");
+                          int64_t tokens, bool reduce, uint8_t* out) {
+  Guard([&] {
+    Rank& me = RankOf(device);
+    const Direction& d = me.combine;
+    const uint64_t round = uint32_t(ticket[0]);
+    Receive(me, &Rank::combine, ticket, "combine_recv", [&] {
+      const MoeShape& s = options_.shape;
+      auto headers = CheckedHeaders(d, s, options_.slot, round);
+      const int64_t n = s.num_ranks, r = s.experts_per_token, c = s.rows_per_peer(), h = s.hidden;
+      auto* o = reinterpret_cast<uint16_t*>(out);
+      float* acc = me.acc.data();
+      for (int64_t t = 0; t < tokens; ++t) {
+        std::fill(acc, acc + h, 0.0f);
+        for (int64_t k = 0; k < r; ++k) {
+          const int32_t sl = slot[t * r + k];
+          if (!reduce && sl < 0) std::fill(o + (t * r + k) * h, o + (t * r + k + 1) * h, uint16_t(0));
+          if (sl < 0) continue;
+          const int64_t p = sl / c, pos = sl % c;
+          if (p >= n || pos >= headers[p]->rows) {
+            Throw(ErrorCode::kPeerFailed, "combine_recv: rank " + std::to_string(p) + " returned " +
+                                              std::to_string(p < n ? headers[p]->rows : 0) + " rows, row " +
+                                              std::to_string(pos) + " was expected");
+          }
+          const auto* y = reinterpret_cast<const uint16_t*>(reinterpret_cast<const uint8_t*>(headers[p]) +
+                                                            d.header_bytes + pos * d.row_bytes);
+          if (!reduce) {
+            std::memcpy(o + (t * r + k) * h, y, h * sizeof(uint16_t));
+            continue;
+          }
+          const float w = topk_weights[t * r + k];
+          for (int64_t i = 0; i < h; ++i) acc[i] += w * Bf16ToFloat(y[i]);
         }
-        const auto* y = reinterpret_cast<const uint16_t*>(reinterpret_cast<const uint8_t*>(headers[p]) +
-                                                          d.header_bytes + pos * d.row_bytes);
-        if (!reduce) {
-          std::memcpy(o + (t * r + k) * h, y, h * sizeof(uint16_t));
-          continue;
-        }
-        const float w = topk_weights[t * r + k];
-        for (int64_t i = 0; i < h; ++i) acc[i] += w * Bf16ToFloat(y[i]);
+        if (!reduce) continue;
+        for (int64_t i = 0; i < h; ++i) o[t * h + i] = FloatToBf16(acc[i]);
       }
-      if (!reduce) continue;
-      for (int64_t i = 0; i < h; ++i) o[t * h + i] = FloatToBf16(acc[i]);
-    }
-  };
-  Receive(*me, &Rank::combine, ticket, "combine_recv", finish, std::move(done));
+    });
+  });
 }
 
 }  // namespace jax_moe::cpu

@@ -45,21 +45,6 @@ ffi::Error WithComm(int64_t slot, Fn&& fn) {
   return ffi::Error::Success();
 }
 
-// Runs a receive half, which reports through a callback before it returns.
-template <typename Start>
-ffi::Error RunRecv(int64_t slot, Start&& start) {
-  auto comm = cpu::FindComm(uint32_t(slot));
-  if (!comm) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "jax_moe: Communicator " + std::to_string(slot) + " is not set up in this process");
-  }
-  ffi::Error result = ffi::Error::Success();
-  start(*comm, [&result](const Error* error) {
-    if (error) result = ToFfi(*error);
-  });
-  return result;
-}
-
 template <typename B>
 bool HasDims(const B& buffer, std::initializer_list<int64_t> dims) {
   auto d = buffer.dimensions();
@@ -116,10 +101,9 @@ ffi::Error DispatchRecv(int32_t device, int64_t slot, ffi::Buffer<ffi::S32> tick
       return Mismatch("dispatch_recv outputs");
     }
   }
-  return RunRecv(slot, [&](cpu::CpuComm& c, cpu::Done done) {
+  return WithComm(slot, [&](cpu::CpuComm& c) {
     c.DispatchRecv(device, ticket.typed_data(), static_cast<uint8_t*>(expert_x->untyped_data()),
-                   static_cast<uint8_t*>(expert_x_scale->untyped_data()), counts->typed_data(), dest->typed_data(),
-                   std::move(done));
+                   static_cast<uint8_t*>(expert_x_scale->untyped_data()), counts->typed_data(), dest->typed_data());
   });
 }
 
@@ -153,9 +137,9 @@ ffi::Error CombineRecv(int32_t device, int64_t slot, bool reduce, ffi::Buffer<ff
       return Mismatch("topk_weights");
     }
   }
-  return RunRecv(slot, [&](cpu::CpuComm& c, cpu::Done done) {
+  return WithComm(slot, [&](cpu::CpuComm& c) {
     c.CombineRecv(device, ticket.typed_data(), topk_weights.typed_data(), slots.typed_data(), t, reduce,
-                  static_cast<uint8_t*>(out->untyped_data()), std::move(done));
+                  static_cast<uint8_t*>(out->untyped_data()));
   });
 }
 
