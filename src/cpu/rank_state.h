@@ -3,7 +3,6 @@
 #include <atomic>
 #include <deque>
 #include <memory>
-#include <optional>
 #include <vector>
 
 #include "common/deadline.h"
