@@ -135,13 +135,8 @@ def test_tuple_axis_name(rng):
     check_roundtrip(comm, 4, x, idx, w, None, roundtrip(comm, x, idx, w))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_two_layers_in_one_jit(rng, backend):
-    """Two Communicators (different configs) used back to back in one program stay independent."""
-    n, hidden, t = 4, 128, 5
-    mesh = mesh_of(n)
-    c1 = jax_moe.Communicator(jax_moe.MoEConfig(8, 2, hidden, t), mesh, "ep", backend=backend)
-    c2 = jax_moe.Communicator(jax_moe.MoEConfig(16, 3, hidden, t), mesh, "ep", backend=backend)
+def check_two_layers(rng, c1, c2, n: int, hidden: int, t: int) -> None:
+    """Two Communicators (configs E=8/R=2 and E=16/R=3) back to back in one program equal the two run apart."""
     x, _ = random_tokens(rng, n * t, hidden, False)
     i1, i2 = random_routing(rng, n, t, 2, 8), random_routing(rng, n, t, 3, 16)
     w1, w2 = rng.random((n * t, 2)).astype(np.float32), rng.random((n * t, 3)).astype(np.float32)
@@ -156,6 +151,15 @@ def test_two_layers_in_one_jit(rng, backend):
     h = np.asarray(roundtrip(c1, x, i1, w1)[3])
     want = np.asarray(roundtrip(c2, h, i2, w2)[3]).astype(np.float32)
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_layers_in_one_jit(rng, backend):
+    n, hidden, t = 4, 128, 5
+    mesh = mesh_of(n)
+    c1 = jax_moe.Communicator(jax_moe.MoEConfig(8, 2, hidden, t), mesh, "ep", backend=backend)
+    c2 = jax_moe.Communicator(jax_moe.MoEConfig(16, 3, hidden, t), mesh, "ep", backend=backend)
+    check_two_layers(rng, c1, c2, n, hidden, t)
 
 
 def test_quantize_fp8_roundtrip(rng):
