@@ -110,16 +110,9 @@ class XlaBackend(Backend):
         m = self._n * self._c
         return jnp.zeros((m, recv.shape[-1]), recv.dtype).at[dest].set(recv, mode="drop", unique_indices=True)
 
-    def _gather_back(self, expert_y: jax.Array, route: Route) -> jax.Array:
-        """expert_y [M, H] -> [T*R, H] combine-dtype bits, row (t, k) = expert_y[row of (t, k)] or 0."""
-        bits = jax.lax.bitcast_convert_type(expert_y, jnp.uint16)
-        back = jnp.take(bits, route.dest, axis=0, mode="fill", fill_value=0)
-        ret = self._a2a(back)
-        return jnp.take(ret, route.slot, axis=0, mode="fill", fill_value=0)
-
-    def _slots_to_float(self, bits: jax.Array, topk_idx: jax.Array) -> jax.Array:
-        t, r = topk_idx.shape
-        return jax.lax.bitcast_convert_type(bits, self.cfg.combine_dtype).astype(jnp.float32).reshape(t, r, -1)
+    def _returned_rows(self, state: "CombineState") -> jax.Array:
+        """[T*R, H] combine-dtype bits: row (t, k) = the expert output sent back for it, or 0 when masked."""
+        return jnp.take(state.ret, state.slot, axis=0, mode="fill", fill_value=0)
 
     # --- the four halves ------------------------------------------------------------------------------------------
     def dispatch_send(self, x, x_scale, topk_idx) -> SendState:
@@ -140,8 +133,9 @@ class XlaBackend(Backend):
         return CombineState(self._a2a(jnp.take(bits, route.dest, axis=0, mode="fill", fill_value=0)), route.slot)
 
     def combine_recv(self, state: CombineState, topk_weights, topk_idx):
-        bits = jnp.take(state.ret, state.slot, axis=0, mode="fill", fill_value=0)
-        y = self._slots_to_float(bits, topk_idx)
+        t, r = topk_idx.shape
+        bits = self._returned_rows(state)
+        y = jax.lax.bitcast_convert_type(bits, self.cfg.combine_dtype).astype(jnp.float32).reshape(t, r, -1)
         valid = (state.slot < self._n * self._c).reshape(topk_idx.shape)
         w = jnp.where(valid, topk_weights.astype(jnp.float32), 0.0)
         return jnp.einsum("trh,tr->th", y, w, precision=jax.lax.Precision.HIGHEST).astype(self.cfg.combine_dtype)
@@ -155,5 +149,5 @@ class XlaBackend(Backend):
 
     def combine_slots(self, expert_y, route: Optional[Route], topk_idx):
         route = route if isinstance(route, Route) else self._route(topk_idx)
-        bits = self._gather_back(expert_y, route)
+        bits = self._returned_rows(self.combine_send(expert_y, route, topk_idx))
         return jax.lax.bitcast_convert_type(bits, expert_y.dtype).reshape(*topk_idx.shape, -1)

@@ -128,13 +128,6 @@ CpuComm::~CpuComm() {
   }
 }
 
-bool CpuComm::has_remote_peers() const {
-  for (const auto& rank : ranks_) {
-    if (!rank->remote_ranks.empty()) return true;
-  }
-  return false;
-}
-
 std::vector<Endpoint> CpuComm::LocalEndpoints() const {
   std::vector<Endpoint> out;
   for (const auto& rank : ranks_) {
@@ -324,7 +317,7 @@ std::shared_ptr<CpuComm> FindComm(uint32_t slot) {
 }
 
 void ReleaseComm(uint32_t slot) {
-  std::shared_ptr<CpuComm> comm;
+  std::shared_ptr<CpuComm> comm;  // destroyed after the lock is dropped: ~CpuComm joins its progress thread
   {
     std::lock_guard<std::mutex> lock(registry_mu);
     auto it = Registry().find(slot);

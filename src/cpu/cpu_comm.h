@@ -63,7 +63,6 @@ class CpuComm {
   CpuComm& operator=(const CpuComm&) = delete;
 
   const CommOptions& options() const { return options_; }
-  bool has_remote_peers() const;
   std::vector<Endpoint> LocalEndpoints() const;
   // Connects to every remote rank of the local ranks' groups and builds the peer groups.
   void Connect(const std::vector<Endpoint>& remote);

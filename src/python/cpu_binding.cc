@@ -75,7 +75,6 @@ void RegisterCpu(nb::module_& m) {
   cpu.def("create", &Create, nb::arg("slot"), nb::arg("shape"), nb::arg("table"), nb::arg("process"),
           nb::arg("timeout_s"), nb::arg("provider"),
           "Allocates and registers the buffers of this process's ranks of Communicator `slot`.");
-  cpu.def("has_remote_peers", [](uint32_t slot) { return Get(slot)->has_remote_peers(); });
   cpu.def("endpoints", &Endpoints, "(group, rank, engine address, dispatch region, combine region) per local rank");
   cpu.def("connect", &Connect, "Connects to the endpoints of the ranks in other processes.");
   cpu.def("bytes_allocated", [](uint32_t slot) { return Get(slot)->BytesAllocated(); });
