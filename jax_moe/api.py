@@ -77,9 +77,8 @@ def _dispatch_recv_bwd(comm, residuals, cotangents):
     if comm.cfg.is_fp8:
         raise NotImplementedError("jax_moe: gradients through dispatch need dispatch_dtype=bfloat16 "
                                   "(fp8 dispatch is inference-only)")
-    state = comm.backend.combine_send(g_expert_x.astype(comm.cfg.combine_dtype), route, topk_idx)
-    ones = jnp.ones(topk_idx.shape, jnp.float32)
-    g_x = comm.backend.combine_recv(state, ones, topk_idx).astype(comm.cfg.dispatch_dtype)
+    g_x = comm.backend.dispatch_transpose(g_expert_x.astype(comm.cfg.combine_dtype), route, topk_idx)
+    g_x = g_x.astype(comm.cfg.dispatch_dtype)
     return _per_rank(comm, g_x), None, None, None
 
 

@@ -1,7 +1,8 @@
 """One process of a multi-process run: `python mp_worker.py PROC NPROC PORT DEVICES_PER_PROC BACKEND SEED`.
 
-Every process builds the same global inputs from SEED, runs dispatch -> experts -> combine (and its gradient) over
-all processes' CPU devices, gathers the results and checks them against the NumPy oracle. Prints OK on success.
+Every process builds the same global inputs from SEED, runs dispatch -> experts -> combine (twice: epochs across
+processes) and its gradient over all processes' devices, gathers the results and checks them against the NumPy
+oracle. Prints OK on success. BACKEND "cuda" runs on GPUs, one per process (GPU PROC); the others on CPU devices.
 """
 from __future__ import annotations
 
@@ -14,8 +15,13 @@ import jax
 faulthandler.dump_traceback_later(int(os.environ.get("MP_WORKER_HANG_S", "150")), exit=True)  # a hang shows where every thread is, then the process ends
 
 proc, nproc, port, per_proc, backend, seed = sys.argv[1:7]
-jax.config.update("jax_num_cpu_devices", int(per_proc))
-jax.distributed.initialize(f"127.0.0.1:{port}", int(nproc), int(proc), initialization_timeout=60)
+if backend == "cuda":
+    assert per_proc == "1", "backend cuda: one GPU per process"
+    jax.distributed.initialize(f"127.0.0.1:{port}", int(nproc), int(proc), local_device_ids=[int(proc)],
+                               initialization_timeout=60)
+else:
+    jax.config.update("jax_num_cpu_devices", int(per_proc))
+    jax.distributed.initialize(f"127.0.0.1:{port}", int(nproc), int(proc), initialization_timeout=60)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax.numpy as jnp  # noqa: E402
@@ -42,11 +48,12 @@ def main() -> None:
         cfg = jax_moe.MoEConfig(e, r, hidden, t, dispatch_dtype=jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
         comm = jax_moe.Communicator(cfg, mesh, "ep", backend=backend)
         comms.append(comm)
-        x, scale = random_tokens(rng, n * t, hidden, fp8)
-        idx = random_routing(rng, n, t, r, e, mask=0.2)
-        w = rng.random((n * t, r)).astype(np.float32)
-        outs = [gather(o) for o in roundtrip(comm, x, idx, w, scale)]
-        check_roundtrip(comm, n, x, idx, w, scale, outs)
+        for _ in range(2):
+            x, scale = random_tokens(rng, n * t, hidden, fp8)
+            idx = random_routing(rng, n, t, r, e, mask=0.2)
+            w = rng.random((n * t, r)).astype(np.float32)
+            outs = [gather(o) for o in roundtrip(comm, x, idx, w, scale)]
+            check_roundtrip(comm, n, x, idx, w, scale, outs)
 
     comm = jax_moe.Communicator(jax_moe.MoEConfig(e, r, hidden, t), mesh, "ep", backend=backend)
     x = rng.standard_normal((n * t, hidden)).astype(jnp.bfloat16)

@@ -11,6 +11,7 @@ import abc
 from typing import TYPE_CHECKING, Any, Optional
 
 import jax
+import jax.numpy as jnp
 
 if TYPE_CHECKING:
     from jax_moe.communicator import Communicator
@@ -40,7 +41,14 @@ class Backend(abc.ABC):
     def combine_recv(self, state: Any, topk_weights: jax.Array, topk_idx: jax.Array) -> jax.Array:
         """Finish the combine: [T, hidden] combine_dtype, the float32-accumulated weighted sum."""
 
-    # --- per-slot variants for the gradients --------------------------------------------------------------------------
+    # --- gradients ------------------------------------------------------------------------------------------------
+    def dispatch_transpose(self, g_expert_x: jax.Array, route: Any, topk_idx: jax.Array) -> jax.Array:
+        """The backward of dispatch: g_x[t] = sum over sent k of g_expert_x[row of (t, k)] ([T, hidden], float32 sum,
+        combine_dtype). A combine with unit weights; backends whose forward and backward combines must not share
+        state (XLA may interleave them) override this."""
+        ones = jnp.ones(topk_idx.shape, jnp.float32)
+        return self.combine_recv(self.combine_send(g_expert_x, route, topk_idx), ones, topk_idx)
+
     def dispatch_slots(self, rows: jax.Array, route: Any, topk_idx: jax.Array) -> jax.Array:
         """rows [T, R, hidden] (one row per (token, k)) -> [max_recv_rows, hidden] in the expert_x layout."""
         return self.comm._reference.dispatch_slots(rows, None, topk_idx)

@@ -9,9 +9,10 @@ docs/cuda.md has the protocol; src/kernels holds the kernels and src/ffi/cuda th
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import socket
-import sys
 import threading
 import weakref
 from typing import NamedTuple, Optional
@@ -82,22 +83,6 @@ def timestamp(a: jax.Array, dep: jax.Array) -> tuple[jax.Array, jax.Array]:
                             has_side_effect=True, input_output_aliases={0: 0})(a, dep)
 
 
-def _combine_channel() -> int:
-    """1 inside dispatch's backward pass (jax_moe.api._dispatch_recv_bwd), else 0.
-
-    The forward combine and the backward one get separate areas and epochs on the device: XLA may run the forward
-    combine_recv (whose output only feeds the loss) after the backward combine_send, which would otherwise deadlock.
-    """
-    frame = sys._getframe(2)
-    for _ in range(3):
-        if frame is None:
-            break
-        if frame.f_code.co_name == "_dispatch_recv_bwd":
-            return 1
-        frame = frame.f_back
-    return 0
-
-
 def _vma(a) -> frozenset:
     """The mesh axes `a` varies over inside shard_map (empty outside, or where JAX does not track it)."""
     aval = jax.typeof(a)
@@ -144,8 +129,11 @@ class Route(NamedTuple):
     route: jax.Array  # int32 [M + 1]: source rank * max_tokens * R + t * R + k of every expert_x row; [M] = rows
 
 
-class CombineState(NamedTuple):
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["handle"], meta_fields=["channel"])
+@dataclasses.dataclass(frozen=True)
+class CombineState:
     handle: jax.Array
+    channel: int  # static (pytree metadata): 0 forward, 1 inside dispatch's gradient (see dispatch_transpose)
 
 
 class SlotsState(NamedTuple):
@@ -179,6 +167,8 @@ class CudaBackend(Backend):
         if x_bytes % 16 or (cfg.hidden * 2) % 16:
             raise ValueError(f"backend 'cuda' needs hidden * itemsize to be a multiple of 16 bytes "
                              f"(hidden={cfg.hidden}); use hidden divisible by 16")
+        if cfg.experts_per_token > 32:
+            raise ValueError(f"backend 'cuda' handles at most 32 experts per token, got {cfg.experts_per_token}")
         _register()
         self._mod, _ = _native()
         self._n = comm.num_ranks
@@ -273,15 +263,12 @@ class CudaBackend(Backend):
         x, scale, counts, route = self._call("jax_moe_cuda_dispatch_recv", results, state.handle, has_scale=fp8)
         return x, (scale if fp8 else None), counts, Route(route)
 
-    def combine_send(self, expert_y, route, topk_idx):
-        channel = _combine_channel()
-        if channel == 1 and self.backward_combine == "reference":
-            return SlotsState(self.comm._reference.combine_slots(expert_y, None, topk_idx))
+    def combine_send(self, expert_y, route, topk_idx, channel: int = 0):
         if not isinstance(route, Route):
             raise TypeError("backend 'cuda': combine_send needs the Dispatched of this backend's dispatch")
         handle = self._call("jax_moe_cuda_combine_send", jax.ShapeDtypeStruct((4,), jnp.int32),
                             expert_y.astype(self.cfg.combine_dtype), route.route, channel=np.int64(channel))
-        return CombineState(handle)
+        return CombineState(handle, channel)
 
     def combine_recv(self, state, topk_weights, topk_idx):
         if isinstance(state, SlotsState):
@@ -293,4 +280,25 @@ class CudaBackend(Backend):
             return jnp.einsum("trh,tr->th", y, w, precision=jax.lax.Precision.HIGHEST).astype(self.cfg.combine_dtype)
         out = jax.ShapeDtypeStruct((topk_idx.shape[0], self.cfg.hidden), self.cfg.combine_dtype)
         return self._call("jax_moe_cuda_combine_recv", out, state.handle, topk_weights.astype(jnp.float32),
-                          topk_idx.astype(jnp.int32), channel=np.int64(_combine_channel()))
+                          topk_idx.astype(jnp.int32), channel=np.int64(state.channel))
+
+    def dispatch_transpose(self, g_expert_x, route, topk_idx):
+        # Channel 1: its own area, flags and epochs. XLA may run the forward combine_recv (whose output only feeds
+        # the loss) after this combine_send; on a shared channel that would deadlock.
+        if self.backward_combine == "reference":
+            state = SlotsState(self.comm._reference.combine_slots(g_expert_x, None, topk_idx))
+        else:
+            state = self.combine_send(g_expert_x, route, topk_idx, channel=1)
+        return self.combine_recv(state, jnp.ones(topk_idx.shape, jnp.float32), topk_idx)
+
+    # --- diagnostics ----------------------------------------------------------------------------------------------
+    def read_trace(self) -> dict[int, np.ndarray]:
+        """Device-side trace per local device ordinal: [64 epochs, halves, (start, waited, end)] %globaltimer ns.
+
+        Zeros unless JAX_MOE_CUDA_TRACE=1 was set when the Communicator was made. Halves: dispatch send, dispatch
+        recv, combine send, combine recv (channel 0), then combine send/recv of channel 1. Synchronous."""
+        me = jax.process_index()
+        shape = self._mod.trace_shape()
+        return {int(d.local_hardware_id): np.asarray(self._mod.read_trace(self._group, int(d.local_hardware_id)),
+                                                     np.uint64).reshape(shape)
+                for row in self._rank_table() for d in row if d.process_index == me}

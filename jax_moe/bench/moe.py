@@ -61,6 +61,44 @@ def _inputs(rng, n, t, hidden, e, r, fp8):
     return np.asarray(x.astype(jnp.bfloat16)), None, idx, w
 
 
+def _remote_tokens(idx, n, t, l):
+    """Mean over ranks of the (token, other rank) pairs: what a backend that moves each token once per rank sends."""
+    per = idx.reshape(n, t, -1)
+    out = []
+    for s in range(n):
+        ranks = np.where(per[s] >= 0, per[s] // l, -1)
+        out.append(sum(len(set(row[(row >= 0) & (row != s)].tolist())) for row in ranks))
+    return float(np.mean(out))
+
+
+_TRACE_HALVES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+_TRACE_POINTS = ("start", "waited", "end")
+
+
+def _trace_summary(comm) -> Optional[dict]:
+    """Median device-side timeline of an iteration per GPU (JAX_MOE_CUDA_TRACE=1): every half's start, end of its
+    waits on peers, and end, in us after that GPU's dispatch_send start; plus each GPU's start against GPU 0's."""
+    if os.environ.get("JAX_MOE_CUDA_TRACE") != "1" or not hasattr(comm.backend, "read_trace"):
+        return None
+    traces = comm.backend.read_trace()
+    out, ref = {}, None
+    for ordinal in sorted(traces):
+        tr = traces[ordinal][:, :4, :].astype(np.int64)  # [ring, half, point], channel 0 only
+        used = tr[:, 0, 0] > 0
+        if not used.any():
+            continue
+        rel = (tr[used] - tr[used][:, :1, :1]) / 1e3
+        out[ordinal] = {f"{h}.{p}": float(np.median(rel[:, i, j]))
+                        for i, h in enumerate(_TRACE_HALVES) for j, p in enumerate(_TRACE_POINTS)}
+        if ref is None:
+            ref = tr[:, 0, 0]
+        both = used & (ref > 0)
+        out[ordinal]["skew_vs_first"] = float(np.median((tr[both, 0, 0] - ref[both]) / 1e3)) if both.any() else 0.0
+    for ordinal, row in out.items():
+        print(f"[moe] trace gpu{ordinal}: " + " ".join(f"{k}={v:.1f}" for k, v in row.items()), flush=True)
+    return out
+
+
 def _remote_rows(idx, n, t, l):
     """Mean over ranks of the (token, k) rows each rank sends to other ranks."""
     per = idx.reshape(n, t, -1)
@@ -338,6 +376,7 @@ def main(argv) -> int:
         inputs = _inputs(rng, n, t, hidden, e, r, fp8)
         remote_rows = _remote_rows(inputs[2], n, t, l)
         disp_bytes = remote_rows * (hidden * (1 if fp8 else 2) + cfg.num_scales * 4)
+        token_bytes = _remote_tokens(inputs[2], n, t, l) * (hidden * (1 if fp8 else 2) + cfg.num_scales * 4)
         comb_bytes = remote_rows * hidden * 2
         for backend in backends:
             if backend in skipped:
@@ -373,13 +412,20 @@ def main(argv) -> int:
                    "remote_combine_bytes": comb_bytes, "seconds": time.perf_counter() - started}
             if comm is not None and hasattr(comm.backend, "bytes_per_device"):
                 rec["buffer_bytes_per_device"] = int(comm.backend.bytes_per_device)
-            for phase, nbytes in (("dispatch_send", disp_bytes), ("combine_send", comb_bytes)):
+            if backend == "cuda":  # moves each token once per rank: the bytes on NVLink
+                rec["remote_dispatch_bytes_sent"] = token_bytes
+                trace = _trace_summary(comm)
+                if trace:
+                    rec["trace_us"] = trace
+            sent = token_bytes if backend == "cuda" else disp_bytes
+            for phase, nbytes in (("dispatch_send", sent), ("combine_send", comb_bytes)):
                 p50 = stats[phase]["p50"]
                 if p50:
                     rec[f"{phase}_GBps"] = nbytes / (p50 * 1e-6) / 1e9
             if bw and "peer_GBps" in bw:
                 rec["floor_dispatch_us"] = disp_bytes / (bw["peer_GBps"] * 1e9) * 1e6
                 rec["floor_combine_us"] = comb_bytes / (bw["peer_GBps"] * 1e9) * 1e6
+                rec["floor_dispatch_sent_us"] = sent / (bw["peer_GBps"] * 1e9) * 1e6
             results.append(rec)
             _write(args.out, meta, results)  # as we go: a run cut short still leaves its numbers
             print(f"[moe] {shape:8s} T={t:5d} {backend:10s} dispatch p50 {_fmt(stats['dispatch']['p50'])} us  "

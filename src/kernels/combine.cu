@@ -23,9 +23,11 @@ __global__ void __launch_bounds__(kThreads)
   const MoeShape& s = a.s;
   const int half = kCombineSend + 2 * ch, flag = kCombineFlag + 2 * ch, ack = kCombineAck + 2 * ch;
   const unsigned long long epoch = Local(a)->epoch[half] + 1;
+  TraceBlock0(a, half, epoch, kTraceStart);
   // The token owners must have summed the previous epoch before their combine areas are overwritten.
   if (threadIdx.x < s.n) WaitAtLeast(a, Flags(a.base, a, ack) + threadIdx.x, epoch - 1, 200 + threadIdx.x);
   __syncthreads();
+  TraceBlock0(a, half, epoch, kTraceWaited);
   const long long rows = s.max_recv_rows(), slots = s.slots();
   long long total = route[rows];
   total = total < 0 ? 0 : (total > rows ? rows : total);
@@ -51,8 +53,10 @@ __global__ void __launch_bounds__(kThreads)
   const MoeShape& s = a.s;
   const int half = kCombineRecv + 2 * ch, flag = kCombineFlag + 2 * ch, ack = kCombineAck + 2 * ch;
   const unsigned long long epoch = Local(a)->epoch[half] + 1;
+  TraceBlock0(a, half, epoch, kTraceStart);
   if (threadIdx.x < s.n) WaitAtLeast(a, Flags(a.base, a, flag) + threadIdx.x, epoch, 300 + threadIdx.x);
   __syncthreads();
+  TraceBlock0(a, half, epoch, kTraceWaited);
   const uint8_t* comb = a.base + a.lay.comb + static_cast<size_t>(ch) * s.slots() * s.y_bytes;
   const int vecs = s.y_bytes >> 4;  // 8 bf16 per 16-byte vector
   for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
@@ -63,16 +67,27 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     for (int c = threadIdx.x; c < vecs; c += blockDim.x) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int k = 0; k < s.r; ++k) {
-        const float wt = wk[k];
-        if (wt == 0.f) continue;  // masked slots hold stale rows: never read them into the sum
-        const int4 v = LoadCg(reinterpret_cast<const int4*>(comb + (static_cast<size_t>(t) * s.r + k) * s.y_bytes) + c);
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+      for (int k0 = 0; k0 < s.r; k0 += 4) {  // 4 rows' loads in flight before their sums
+        int4 v[4];
+        float wt[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __bfloat1622float2(h[j]);
-          acc[2 * j] = fmaf(wt, f.x, acc[2 * j]);
-          acc[2 * j + 1] = fmaf(wt, f.y, acc[2 * j + 1]);
+        for (int u = 0; u < 4; ++u) {
+          const int k = k0 + u;
+          wt[u] = k < s.r ? wk[k] : 0.f;
+          // Masked slots hold stale rows: never read them into the sum.
+          if (wt[u] != 0.f)
+            v[u] = LoadCg(reinterpret_cast<const int4*>(comb + (static_cast<size_t>(t) * s.r + k) * s.y_bytes) + c);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          if (wt[u] == 0.f) continue;
+          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 f = __bfloat1622float2(h[j]);
+            acc[2 * j] = fmaf(wt[u], f.x, acc[2 * j]);
+            acc[2 * j + 1] = fmaf(wt[u], f.y, acc[2 * j + 1]);
+          }
         }
       }
       int4 o;
@@ -95,7 +110,8 @@ __global__ void TimestampKernel(uint64_t* out) { out[0] = GlobalTimer(); }
 
 cudaError_t LaunchCombineSend(const KernelArgs& a, int channel, const void* expert_y, const int32_t* route,
                               int32_t* handle, cudaStream_t stream) {
-  const int grid = GridFor(a.s.max_recv_rows(), kWarps * 4, a.num_sms);
+  // A warp per row (the rows received are not known on the host): every SM takes part.
+  const int grid = GridFor(a.s.max_recv_rows(), kWarps, a.num_sms);
   CombineSendKernel<<<grid, kThreads, 0, stream>>>(a, channel, static_cast<const uint8_t*>(expert_y), route, handle);
   return cudaGetLastError();
 }

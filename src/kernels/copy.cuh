@@ -1,4 +1,4 @@
-// Warp-cooperative row copies (16-byte vectors, several loads in flight) and a block-wide prefix sum.
+// Warp-cooperative row copies (16-byte vectors, several loads in flight), zeroing and a block-wide prefix sum.
 #pragma once
 #include <cstdint>
 
@@ -7,20 +7,29 @@ namespace jax_moe::cuda {
 // L2-only loads: the data may have been written by a peer GPU, so L1 must not serve a stale line.
 __device__ __forceinline__ int4 LoadCg(const int4* p) { return __ldcg(p); }
 
-// Copies `bytes` (multiple of 16) from src to dst with the 32 lanes of a warp.
+// Copies `bytes` (multiple of 16) from src to dst with the 32 lanes of a warp, 8 vectors (4 KiB a warp) in flight:
+// over NVLink the stores' throughput depends on how many bytes each warp keeps moving.
 __device__ __forceinline__ void WarpCopy16(void* dst, const void* src, int bytes, int lane) {
+  constexpr int kUnroll = 8;
   const int4* s = static_cast<const int4*>(src);
   int4* d = static_cast<int4*>(dst);
   const int n = bytes >> 4;
   int i = lane;
-  for (; i + 3 * 32 < n; i += 4 * 32) {
-    const int4 v0 = LoadCg(s + i), v1 = LoadCg(s + i + 32), v2 = LoadCg(s + i + 64), v3 = LoadCg(s + i + 96);
-    d[i] = v0;
-    d[i + 32] = v1;
-    d[i + 64] = v2;
-    d[i + 96] = v3;
+  for (; i + (kUnroll - 1) * 32 < n; i += kUnroll * 32) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = LoadCg(s + i + u * 32);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) d[i + u * 32] = v[u];
   }
   for (; i < n; i += 32) d[i] = LoadCg(s + i);
+}
+
+// Zeroes `bytes` (multiple of 16) with the 32 lanes of a warp.
+__device__ __forceinline__ void WarpZero16(void* dst, int bytes, int lane) {
+  int4* d = static_cast<int4*>(dst);
+  const int4 zero = make_int4(0, 0, 0, 0);
+  for (int i = lane; i < (bytes >> 4); i += 32) d[i] = zero;
 }
 
 // Copies `bytes` (multiple of 4) with 4-byte words: the scale rows (56 floats for hidden 7168).

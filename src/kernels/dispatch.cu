@@ -1,5 +1,6 @@
-// dispatch_send (plan + push rows to the experts' ranks over NVLink) and dispatch_recv (wait, place rows in the
-// contract order: local expert, then source rank, then source token).
+// dispatch_send (push each token once to every rank holding one of its experts, plus per local expert the list of
+// its tokens) and dispatch_recv (wait, expand the received tokens into expert_x rows in the contract order: local
+// expert, then source rank, then source token). One kernel each.
 #include "kernels/copy.cuh"
 #include "kernels/moe_kernels.h"
 #include "kernels/sync.cuh"
@@ -10,186 +11,156 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
-inline int GridFor(long long work_items, int per_block, int num_sms) {
-  long long blocks = (work_items + per_block - 1) / per_block;
-  if (blocks > 2LL * num_sms) blocks = 2LL * num_sms;
-  return blocks < 1 ? 1 : static_cast<int>(blocks);
-}
-
-// Block g: the tokens that send a row to expert g, in token order -> pos[t * R + k] (rank among them), hist[g].
-// Block 0 also flags ids outside [0, E) other than -1 (they are treated as masked).
-__global__ void __launch_bounds__(kThreads) PlanKernel(KernelArgs a, int tokens, const int32_t* idx) {
-  const int g = blockIdx.x, r = a.s.r, experts = a.s.experts();
+// dispatch_send. Two independent jobs share the grid, so one launch does both:
+//  - per global expert g (blocks g, g + gridDim.x, ...): scan the tokens in order; the i-th (t, k) naming g goes to
+//    list[my_rank][e][i] on g's rank (e = g's local index), the count to counts[my_rank][e] there. Ranks come from
+//    warp ballots, so the order is the tokens' order without sorting.
+//  - per (token, rank) pair, one warp: if any expert of the token lives on that rank, copy the token (and its fp8
+//    scales) once into tokens[my_rank][t] there. Over NVLink that is each token once per rank, not once per (t, k).
+// Ids outside [0, E) other than -1 are masked and reported (block 0 checks them).
+__global__ void __launch_bounds__(kThreads)
+    DispatchSendKernel(KernelArgs a, int tokens, const uint8_t* x, const uint8_t* xs, const int32_t* idx,
+                       int32_t* handle) {
+  const MoeShape& s = a.s;
+  const int experts = s.experts(), r = s.r, n = s.n;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int32_t* hist = reinterpret_cast<int32_t*>(a.base + a.lay.hist);
-  int32_t* pos = reinterpret_cast<int32_t*>(a.base + a.lay.pos);
+  const unsigned long long epoch = Local(a)->epoch[kDispatchSend] + 1;
   __shared__ int warp_count[kWarps];
-  int running = 0;
-  for (int base = 0; base < tokens; base += kThreads) {
-    const int t = base + threadIdx.x;
-    int kf = -1;
-    if (t < tokens) {
-      const int32_t* row = idx + static_cast<size_t>(t) * r;
-      for (int k = 0; k < r; ++k)
-        if (row[k] == g) { kf = k; break; }  // the first slot naming g; later repeats are masked
-    }
-    const unsigned m = __ballot_sync(0xffffffffu, kf >= 0);
-    if (lane == 0) warp_count[warp] = __popc(m);
-    __syncthreads();
-    int before = 0, total = 0;
-    for (int w = 0; w < kWarps; ++w) {
-      before += w < warp ? warp_count[w] : 0;
-      total += warp_count[w];
-    }
-    if (kf >= 0) pos[static_cast<size_t>(t) * r + kf] = running + before + __popc(m & ((1u << lane) - 1u));
-    running += total;
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) hist[g] = running;
-  if (g == 0) {
+  TraceBlock0(a, kDispatchSend, epoch, kTraceStart);
+
+  // The receivers must have consumed the previous epoch before their areas are overwritten.
+  if (threadIdx.x < n) WaitAtLeast(a, Flags(a.base, a, kDispatchAck) + threadIdx.x, epoch - 1, 100 + threadIdx.x);
+  __syncthreads();
+  TraceBlock0(a, kDispatchSend, epoch, kTraceWaited);
+
+  if (blockIdx.x == 0) {
     for (int i = threadIdx.x; i < tokens * r; i += kThreads) {
       const int v = idx[i];
       if (v != -1 && (v < 0 || v >= experts)) RaiseError(a, kBadExpertId, v);
     }
   }
-}
 
-__global__ void __launch_bounds__(kThreads)
-    DispatchSendKernel(KernelArgs a, int tokens, const uint8_t* x, const uint8_t* xs, const int32_t* idx,
-                       int32_t* handle) {
-  extern __shared__ int smem[];
-  const MoeShape& s = a.s;
-  const int experts = s.experts();
-  int* incl = smem;               // [E] inclusive prefix of hist over all experts
-  int* off = smem + experts;      // [E] first slot of expert g inside its peer's block
-  int* warp_sums = off + experts; // [32]
-  const int32_t* hist = reinterpret_cast<const int32_t*>(a.base + a.lay.hist);
-  const int32_t* pos = reinterpret_cast<const int32_t*>(a.base + a.lay.pos);
-  const unsigned long long epoch = Local(a)->epoch[kDispatchSend] + 1;
-
-  for (int i = threadIdx.x; i < experts; i += blockDim.x) incl[i] = hist[i];
-  __syncthreads();
-  BlockInclusiveScan(incl, experts, warp_sums);
-  for (int i = threadIdx.x; i < experts; i += blockDim.x) {
-    const int first = (i / s.l) * s.l;
-    off[i] = incl[i] - hist[i] - (first > 0 ? incl[first - 1] : 0);
-  }
-  // The receivers must have consumed the previous epoch before their areas are overwritten.
-  if (threadIdx.x < s.n) WaitAtLeast(a, Flags(a.base, a, kDispatchAck) + threadIdx.x, epoch - 1, 100 + threadIdx.x);
-  __syncthreads();
-
-  if (blockIdx.x == 0) {
-    for (int i = threadIdx.x; i < experts; i += blockDim.x) {
-      const int p = i / s.l;
-      reinterpret_cast<int32_t*>(Peer(a, p) + a.lay.counts)[s.rank * s.l + (i - p * s.l)] = hist[i];
-    }
-  }
-  const int lane = threadIdx.x & 31;
-  const int items = tokens * s.r;
-  for (int item = blockIdx.x * kWarps + (threadIdx.x >> 5); item < items; item += gridDim.x * kWarps) {
-    const int t = item / s.r, k = item - t * s.r;
-    const int g = SentExpert(idx + static_cast<size_t>(t) * s.r, k, experts);
-    if (g < 0) continue;
-    const int p = g / s.l;
-    const size_t rec = static_cast<size_t>(s.rank) * s.c + off[g] + pos[item];
+  for (int g = blockIdx.x; g < experts; g += gridDim.x) {
+    const int p = g / s.l, e = g - p * s.l;
     uint8_t* peer = Peer(a, p);
-    uint8_t* dst = peer + a.lay.rows + rec * s.rec_bytes;
+    int32_t* list = reinterpret_cast<int32_t*>(peer + a.lay.list) + (static_cast<size_t>(s.rank) * s.l + e) * s.max_tokens;
+    int running = 0;
+    for (int base = 0; base < tokens; base += kThreads) {
+      const int t = base + threadIdx.x;
+      int kf = -1;
+      if (t < tokens) {
+        const int32_t* row = idx + static_cast<size_t>(t) * r;
+        for (int k = 0; k < r; ++k)
+          if (row[k] == g) { kf = k; break; }  // the first slot naming g; later repeats are masked
+      }
+      const unsigned m = __ballot_sync(0xffffffffu, kf >= 0);
+      if (lane == 0) warp_count[warp] = __popc(m);
+      __syncthreads();
+      int before = 0, total = 0;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        before += w < warp ? warp_count[w] : 0;
+        total += warp_count[w];
+      }
+      if (kf >= 0) list[running + before + __popc(m & ((1u << lane) - 1u))] = t * r + kf;
+      running += total;
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) reinterpret_cast<int32_t*>(peer + a.lay.counts)[s.rank * s.l + e] = running;
+  }
+
+  const int pairs = tokens * n;
+  // Warp-major order spreads the copies over every block (and SM) even when there are few of them.
+  for (int item = warp * gridDim.x + blockIdx.x; item < pairs; item += gridDim.x * kWarps) {
+    const int t = item / n, p = item - t * n;
+    bool here = false;
+    if (lane < r) {
+      const int g = idx[static_cast<size_t>(t) * r + lane];
+      here = g >= 0 && g < experts && g / s.l == p;
+    }
+    if (!__any_sync(0xffffffffu, here)) continue;
+    uint8_t* dst = Peer(a, p) + a.lay.tokens + (static_cast<size_t>(s.rank) * s.max_tokens + t) * s.rec_bytes;
     WarpCopy16(dst, x + static_cast<size_t>(t) * s.x_bytes, s.x_bytes, lane);
     if (xs) WarpCopy4(dst + s.x_bytes, xs + static_cast<size_t>(t) * s.scale_bytes, s.scale_bytes, lane);
-    if (lane == 0) reinterpret_cast<int32_t*>(peer + a.lay.meta)[rec] = item;
   }
   FinishBlock(a, kDispatchSend, [&](LocalSync* ls) {
-    for (int p = 0; p < s.n; ++p) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchFlag) + s.rank, epoch);
+    for (int p = 0; p < n; ++p) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchFlag) + s.rank, epoch);
     ls->epoch[kDispatchSend] = epoch;
     handle[0] = static_cast<int32_t>(epoch);
     handle[1] = handle[2] = handle[3] = 0;
   });
 }
 
+// dispatch_recv. Every block waits for the senders, then lays out the contract order in shared memory: block
+// f = e * n + s (local expert e, sender s) starts at start[f]. One warp per expert_x row: rows below the total are
+// copied from the sender's token, the rest zeroed (the reference's padding is zeros; a stale NaN there would poison
+// `x * 0` downstream). Counts and list entries come from peers: anything out of range is dropped, never followed.
 __global__ void __launch_bounds__(kThreads)
     DispatchRecvKernel(KernelArgs a, uint8_t* ox, uint8_t* os, int32_t* ocounts, int32_t* route) {
   extern __shared__ int smem[];
   const MoeShape& s = a.s;
-  const int n = s.n, l = s.l, experts = s.experts();
-  int* cnt = smem;                   // [n][l] rows from sender s for local expert e
-  int* bend = cnt + experts;         // [n][l] inclusive prefix over (s, e) flattened
-  int* start = bend + experts;       // [n][l] first expert_x row of block (s, e)
-  int* est = start + experts;        // [l] inclusive prefix of per-expert totals
-  int* spre = est + l;               // [n + 1] first flattened row of sender s
-  int* ok = spre + n + 1;            // [n] sender signalled in time
-  int* warp_sums = ok + n;           // [32]
+  const int n = s.n, l = s.l, blocks = s.experts();
+  int* start = smem;                // [blocks + 1]: exclusive prefix of the rows of block f, in (e, s) order
+  int* ok = start + blocks + 1;     // [n] sender signalled in time
+  int* warp_sums = ok + n;          // [32]
   const unsigned long long epoch = Local(a)->epoch[kDispatchRecv] + 1;
+  TraceBlock0(a, kDispatchRecv, epoch, kTraceStart);
 
   if (threadIdx.x < n) ok[threadIdx.x] = WaitAtLeast(a, Flags(a.base, a, kDispatchFlag) + threadIdx.x, epoch,
                                                      threadIdx.x);
   __syncthreads();
+  TraceBlock0(a, kDispatchRecv, epoch, kTraceWaited);
   const int32_t* counts = reinterpret_cast<const int32_t*>(a.base + a.lay.counts);
-  for (int i = threadIdx.x; i < experts; i += blockDim.x) {
-    const int v = ok[i / l] ? __ldcg(counts + i) : 0;
-    cnt[i] = (v < 0 || v > s.c) ? 0 : v;
+  for (int f = threadIdx.x; f < blocks; f += blockDim.x) {
+    const int e = f / n, q = f - e * n;
+    const int v = ok[q] ? __ldcg(counts + q * l + e) : 0;
+    start[f + 1] = (v < 0 || v > s.max_tokens) ? 0 : v;
   }
+  if (threadIdx.x == 0) start[0] = 0;
   __syncthreads();
-  // A sender whose counts add up to more than its area holds is ignored (never read or write out of bounds).
+  // A sender whose counts add up to more than it may send is ignored (never read or write out of bounds).
   if (threadIdx.x < n) {
     int sum = 0;
-    for (int e = 0; e < l; ++e) sum += cnt[threadIdx.x * l + e];
+    for (int e = 0; e < l; ++e) sum += start[e * n + threadIdx.x + 1];
     if (sum > s.c)
-      for (int e = 0; e < l; ++e) cnt[threadIdx.x * l + e] = 0;
+      for (int e = 0; e < l; ++e) start[e * n + threadIdx.x + 1] = 0;
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < experts; i += blockDim.x) bend[i] = cnt[i];
-  for (int e = threadIdx.x; e < l; e += blockDim.x) {
-    int tot = 0;
-    for (int q = 0; q < n; ++q) tot += cnt[q * l + e];
-    est[e] = tot;
-  }
-  __syncthreads();
-  BlockInclusiveScan(bend, experts, warp_sums);
-  BlockInclusiveScan(est, l, warp_sums);
-  if (threadIdx.x <= n) spre[threadIdx.x] = threadIdx.x == 0 ? 0 : bend[threadIdx.x * l - 1];
-  for (int i = threadIdx.x; i < experts; i += blockDim.x) {
-    const int q = i / l, e = i - q * l;
-    int at = e > 0 ? est[e - 1] : 0;  // first row of expert e
-    for (int p = 0; p < q; ++p) at += cnt[p * l + e];
-    start[i] = at;
-  }
-  __syncthreads();
-  const int total = spre[n];
+  BlockInclusiveScan(start + 1, blocks, warp_sums);
+  const int total = start[blocks];
   if (blockIdx.x == 0) {
-    for (int e = threadIdx.x; e < l; e += blockDim.x) ocounts[e] = est[e] - (e > 0 ? est[e - 1] : 0);
+    for (int e = threadIdx.x; e < l; e += blockDim.x) ocounts[e] = start[(e + 1) * n] - start[e * n];
     if (threadIdx.x == 0) route[s.max_recv_rows()] = total;
   }
   const int lane = threadIdx.x & 31;
-  const int32_t* meta = reinterpret_cast<const int32_t*>(a.base + a.lay.meta);
-  const long long slots = s.slots();
-  const long long rows = s.max_recv_rows();
-  const int4 zero = make_int4(0, 0, 0, 0);
+  const int32_t* list = reinterpret_cast<const int32_t*>(a.base + a.lay.list);
+  const uint8_t* toks = a.base + a.lay.tokens;
+  const long long slots = s.slots(), rows = s.max_recv_rows();
   for (long long i = blockIdx.x * kWarps + (threadIdx.x >> 5); i < rows; i += gridDim.x * kWarps) {
-    if (i >= total) {  // padding: zeros, like the reference (a NaN left here would poison x * 0 downstream)
-      int4* dx = reinterpret_cast<int4*>(ox + i * s.x_bytes);
-      for (int v = lane; v < (s.x_bytes >> 4); v += 32) dx[v] = zero;
-      if (os) {
-        int* ds = reinterpret_cast<int*>(os + i * s.scale_bytes);
-        for (int v = lane; v < (s.scale_bytes >> 2); v += 32) ds[v] = 0;
+    int32_t tk = -1;
+    int q = 0;
+    if (i < total) {
+      int lo = 0, hi = blocks - 1;
+      while (lo < hi) {  // the block holding row i: last f with start[f] <= i
+        const int mid = (lo + hi + 1) >> 1;
+        if (start[mid] <= i) lo = mid; else hi = mid - 1;
       }
+      const int e = lo / n;
+      q = lo - e * n;
+      tk = __ldcg(list + (static_cast<size_t>(q) * l + e) * s.max_tokens + (i - start[lo]));
+      if (tk < 0 || tk >= slots) tk = -1;
+    }
+    if (tk < 0) {
+      WarpZero16(ox + i * s.x_bytes, s.x_bytes, lane);
+      if (os)
+        for (int v = lane; v < (s.scale_bytes >> 2); v += 32) reinterpret_cast<int*>(os + i * s.scale_bytes)[v] = 0;
+      if (lane == 0 && i < total) route[i] = -1;
       continue;
     }
-    int q = 0;
-    while (q + 1 < n && spre[q + 1] <= i) ++q;
-    const int j = static_cast<int>(i - spre[q]);
-    const int* end = bend + q * l;
-    int lo = 0, hi = l - 1;
-    while (lo < hi) {  // first expert whose block ends after row j
-      const int mid = (lo + hi) >> 1;
-      if (end[mid] - spre[q] > j) hi = mid; else lo = mid + 1;
-    }
-    const int block_start = end[lo] - cnt[q * l + lo] - spre[q];
-    const size_t dest = static_cast<size_t>(start[q * l + lo]) + (j - block_start);
-    const size_t rec = static_cast<size_t>(q) * s.c + j;
-    const uint8_t* src = a.base + a.lay.rows + rec * s.rec_bytes;
-    WarpCopy16(ox + dest * s.x_bytes, src, s.x_bytes, lane);
-    if (os) WarpCopy4(os + dest * s.scale_bytes, src + s.x_bytes, s.scale_bytes, lane);
-    if (lane == 0) route[dest] = static_cast<int32_t>(q * slots + __ldcg(meta + rec));
+    const uint8_t* src = toks + (static_cast<size_t>(q) * s.max_tokens + tk / s.r) * s.rec_bytes;
+    WarpCopy16(ox + i * s.x_bytes, src, s.x_bytes, lane);
+    if (os) WarpCopy4(os + i * s.scale_bytes, src + s.x_bytes, s.scale_bytes, lane);
+    if (lane == 0) route[i] = static_cast<int32_t>(q * slots + tk);
   }
   FinishBlock(a, kDispatchRecv, [&](LocalSync* ls) {
     ls->epoch[kDispatchRecv] = epoch;
@@ -197,23 +168,27 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
+inline int GridFor(long long work_items, int per_block, int num_sms) {
+  long long blocks = (work_items + per_block - 1) / per_block;
+  if (blocks > 2LL * num_sms) blocks = 2LL * num_sms;
+  return blocks < 1 ? 1 : static_cast<int>(blocks);
+}
+
 }  // namespace
 
 cudaError_t LaunchDispatchSend(const KernelArgs& a, int tokens, const void* x, const void* x_scale,
                                const int32_t* topk_idx, int32_t* handle, cudaStream_t stream) {
-  PlanKernel<<<a.s.experts(), kThreads, 0, stream>>>(a, tokens, topk_idx);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-  const size_t smem = sizeof(int) * (2 * a.s.experts() + 32);
-  const int grid = GridFor(static_cast<long long>(tokens) * a.s.r, kWarps, a.num_sms);
-  DispatchSendKernel<<<grid, kThreads, smem, stream>>>(a, tokens, static_cast<const uint8_t*>(x),
-                                                      static_cast<const uint8_t*>(x_scale), topk_idx, handle);
+  // Enough blocks for one per expert scan and for every (token, rank) copy to have its warp, up to 2 per SM.
+  int grid = GridFor(static_cast<long long>(tokens) * a.s.n, kWarps, a.num_sms);
+  if (grid < a.s.experts()) grid = a.s.experts() < 2 * a.num_sms ? a.s.experts() : 2 * a.num_sms;
+  DispatchSendKernel<<<grid, kThreads, 0, stream>>>(a, tokens, static_cast<const uint8_t*>(x),
+                                                    static_cast<const uint8_t*>(x_scale), topk_idx, handle);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchDispatchRecv(const KernelArgs& a, void* expert_x, void* expert_x_scale, int32_t* counts,
                                int32_t* route, cudaStream_t stream) {
-  const size_t smem = sizeof(int) * (3 * a.s.experts() + a.s.l + 2 * a.s.n + 1 + 32);
+  const size_t smem = sizeof(int) * (a.s.experts() + 1 + a.s.n + 32);
   // A warp per expert_x row: the received ones are copied, the padding zeroed.
   const int grid = GridFor(a.s.max_recv_rows(), kWarps * 2, a.num_sms);
   DispatchRecvKernel<<<grid, kThreads, smem, stream>>>(a, static_cast<uint8_t*>(expert_x),

@@ -25,6 +25,12 @@ constexpr int kFlagKinds = 2 + 2 * kCombineChannels;
 // Error codes in the host-mapped error word (reported by the next recv half's handler).
 enum ErrorKind { kNoError = 0, kBadExpertId = 1, kTimeout = 2 };
 
+// Device-side trace (JAX_MOE_CUDA_TRACE=1, for the benchmark): per half and epoch (ring of kTraceRing), the
+// %globaltimer at block 0's start, when block 0's waits on peers were over, and when the last block finished.
+constexpr int kTraceRing = 64;
+constexpr int kTracePoints = 3;
+enum TracePoint { kTraceStart = 0, kTraceWaited = 1, kTraceEnd = 2 };
+
 struct MoeShape {
   int n = 1;            // ranks on the axis
   int rank = 0;         // this device's rank
@@ -34,7 +40,7 @@ struct MoeShape {
   int c = 1;            // rows one rank can send to one peer: max_tokens * min(R, L)
   int x_bytes = 0;      // hidden * itemsize of the dispatch dtype (multiple of 16)
   int scale_bytes = 0;  // num_scales * 4 (0 for bf16)
-  int rec_bytes = 0;    // one received record: x then scales, rounded up to 16
+  int rec_bytes = 0;    // one received token: x then scales, rounded up to 16
   int y_bytes = 0;      // hidden * 2 (combine dtype bf16, multiple of 16)
   JAX_MOE_HD int experts() const { return n * l; }
   JAX_MOE_HD int64_t slots() const { return int64_t(max_tokens) * r; }   // (t, k) slots of a rank
@@ -42,17 +48,19 @@ struct MoeShape {
 };
 
 // Byte offsets of the fields inside one device buffer.
+// Dispatch moves each token once per destination rank (not once per (t, k)): sender s writes token t into
+// tokens[s][t] of every rank that holds one of its experts, and for each local expert e of that rank the list of
+// its tokens in token order, as t * R + k, into list[s][e]. The receiver expands tokens into expert_x rows.
 struct MoeLayout {
   size_t flags = 0;   // uint64 [kFlagKinds][n]: dispatch flag, dispatch ack, then per combine channel flag and ack;
                       // peer s writes slot [.][s]
   size_t local = 0;   // LocalSync (this device only)
   size_t peers = 0;   // uint8_t* [n]: every peer's buffer base, as this device addresses it
-  size_t counts = 0;  // int32 [n][l]: rows per local expert from sender s
-  size_t meta = 0;    // int32 [n][c]: (t * R + k) on the sender of every received row
-  size_t rows = 0;    // [n][c] records of rec_bytes from sender s
+  size_t trace = 0;   // uint64 [kTraceRing][kHalves][kTracePoints] (this device only)
+  size_t counts = 0;  // int32 [n][l]: tokens per local expert from sender s
+  size_t list = 0;    // int32 [n][l][max_tokens]: t * R + k on sender s of the i-th token for local expert e
+  size_t tokens = 0;  // [n][max_tokens] records of rec_bytes: token t of sender s (only those sent are written)
   size_t comb = 0;    // [channels][max_tokens * R] rows of y_bytes: expert outputs returned to this token owner
-  size_t hist = 0;    // int32 [E]: this rank's rows per global expert (scratch of dispatch_send)
-  size_t pos = 0;     // int32 [max_tokens * R]: position of (t, k) among the tokens of its expert (scratch)
   size_t total = 0;
 };
 
@@ -71,12 +79,11 @@ inline MoeLayout MakeLayout(const MoeShape& s) {
   m.flags = take(sizeof(unsigned long long) * kFlagKinds * s.n);
   m.local = take(sizeof(LocalSync));
   m.peers = take(sizeof(void*) * s.n);
+  m.trace = take(sizeof(unsigned long long) * kTraceRing * kHalves * kTracePoints);
   m.counts = take(sizeof(int32_t) * s.n * s.l);
-  m.meta = take(sizeof(int32_t) * size_t(s.n) * s.c);
-  m.rows = take(size_t(s.rec_bytes) * s.n * s.c);
+  m.list = take(sizeof(int32_t) * size_t(s.n) * s.l * s.max_tokens);
+  m.tokens = take(size_t(s.rec_bytes) * s.n * s.max_tokens);
   m.comb = take(size_t(s.y_bytes) * s.slots() * kCombineChannels);
-  m.hist = take(sizeof(int32_t) * s.experts());
-  m.pos = take(sizeof(int32_t) * s.slots());
   m.total = at;
   return m;
 }
@@ -89,6 +96,7 @@ struct KernelArgs {
   int* error = nullptr;             // host-mapped int32 [2]: ErrorKind, detail (first writer wins)
   long long timeout_ns = 0;         // bound of every wait on a peer
   int num_sms = 1;
+  int trace = 0;                    // record the device-side trace (see kTraceRing)
 };
 
 }  // namespace jax_moe::cuda

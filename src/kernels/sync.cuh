@@ -61,6 +61,18 @@ __device__ __forceinline__ uint8_t* Peer(const KernelArgs& a, int p) {
   return reinterpret_cast<uint8_t* const*>(a.base + a.lay.peers)[p];
 }
 
+// Records trace point `point` of this launch of `half` (epoch = the call being made) when tracing is on; block 0's
+// thread 0 calls it for kTraceStart / kTraceWaited.
+__device__ __forceinline__ void Trace(const KernelArgs& a, int half, unsigned long long epoch, int point) {
+  if (!a.trace) return;
+  unsigned long long* t = reinterpret_cast<unsigned long long*>(a.base + a.lay.trace);
+  t[((epoch % kTraceRing) * kHalves + half) * kTracePoints + point] = GlobalTimer();
+}
+
+__device__ __forceinline__ void TraceBlock0(const KernelArgs& a, int half, unsigned long long epoch, int point) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) Trace(a, half, epoch, point);
+}
+
 // Ends a launch: every block makes its stores visible system-wide; the last block to finish runs `last()`
 // (signals the peers, advances the epoch) and re-arms the block counter for the next launch.
 template <typename Last>
@@ -73,6 +85,7 @@ __device__ __forceinline__ void FinishBlock(const KernelArgs& a, int half, Last 
     if (prev == gridDim.x - 1) {
       ls->done[half] = 0;
       __threadfence_system();
+      Trace(a, half, ls->epoch[half] + 1, kTraceEnd);
       last(ls);
     }
   }

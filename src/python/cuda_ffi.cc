@@ -88,6 +88,12 @@ void RegisterCuda(nb::module_& m) {
         return dev ? jax_moe::cuda::TakeError(*dev) : std::string();
       },
       "Reads and clears a device's error word (what the next recv half would report); '' when clear.");
+  cuda.def("read_trace", &jax_moe::cuda::ReadTrace,
+           "Device-side trace of a device: flat [64 epochs][halves][start, waited, end] %globaltimer ns "
+           "(JAX_MOE_CUDA_TRACE=1 when the Communicator was made).");
+  cuda.def("trace_shape", []() {
+    return std::make_tuple(jax_moe::cuda::kTraceRing, jax_moe::cuda::kHalves, jax_moe::cuda::kTracePoints);
+  });
   cuda.def("peer_copy_bandwidth", &jax_moe::cuda::PeerCopyBandwidth,
            "cudaMemcpyPeerAsync bytes/s from device src to dst (src == dst: a device-local copy).");
 }

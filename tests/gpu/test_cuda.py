@@ -203,7 +203,7 @@ def test_two_processes_one_gpu_each(rng):
     if len(jax.devices("gpu")) < 2:
         pytest.skip("needs 2 GPUs")
     port, seed = free_port(), int(rng.integers(1 << 30))
-    outs = launch("gpu/mp_worker_cuda.py", [(i, 2, port, seed) for i in range(2)], timeout_s=300)
+    outs = launch("mp_worker.py", [(i, 2, port, 1, "cuda", seed) for i in range(2)], timeout_s=300)
     for i, out in enumerate(outs):
-        assert f"OK process {i}/2 backend=cuda" in out, out[-3000:]
+        assert f"OK process {i}/2 devices=2 backend=cuda" in out, out[-3000:]
 

@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -82,6 +83,8 @@ void CreateGroup(int64_t id, const MoeShape& shape, const std::vector<std::pair<
   Require(shape.x_bytes % 16 == 0 && shape.y_bytes % 16 == 0 && shape.rec_bytes % 16 == 0,
           "jax_moe cuda: row sizes must be multiples of 16 bytes");
   Require(shape.scale_bytes % 4 == 0, "jax_moe cuda: scale rows must be whole float32s");
+  Require(shape.r <= 32, "jax_moe cuda: at most 32 experts per token (one warp lane each)");
+  const char* trace = std::getenv("JAX_MOE_CUDA_TRACE");
   Group group;
   for (const auto& [ordinal, rank] : devices) {
     Require(rank >= 0 && rank < shape.n, "jax_moe cuda: rank out of range");
@@ -93,6 +96,7 @@ void CreateGroup(int64_t id, const MoeShape& shape, const std::vector<std::pair<
     a.s.rank = rank;
     a.lay = MakeLayout(a.s);
     a.timeout_ns = timeout_ns;
+    a.trace = trace != nullptr && trace[0] == '1';
     Check(cudaDeviceGetAttribute(&a.num_sms, cudaDevAttrMultiProcessorCount, ordinal), "cudaDeviceGetAttribute");
     void* base = nullptr;
     Check(cudaMalloc(&base, a.lay.total), "cudaMalloc");
@@ -198,6 +202,16 @@ std::string TakeError(const DeviceGroup& dev) {
     default:
       return "jax_moe cuda: device error " + std::to_string(kind);
   }
+}
+
+std::vector<unsigned long long> ReadTrace(int64_t id, int ordinal) {
+  auto dev = MustFind(id, ordinal);
+  DeviceScope scope(ordinal);
+  std::vector<unsigned long long> out(size_t(kTraceRing) * kHalves * kTracePoints);
+  Check(cudaMemcpy(out.data(), dev->args.base + dev->args.lay.trace, out.size() * sizeof(out[0]),
+                   cudaMemcpyDeviceToHost),
+        "cudaMemcpy(trace)");
+  return out;
 }
 
 double PeerCopyBandwidth(int src, int dst, size_t bytes, int iters) {

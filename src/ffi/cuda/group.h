@@ -52,6 +52,9 @@ std::shared_ptr<const DeviceGroup> FindDevice(int64_t id, int ordinal);
 // Reads and clears the device's error word: empty when no error was raised since the last call.
 std::string TakeError(const DeviceGroup& dev);
 
+// The device-side trace ([kTraceRing][kHalves][kTracePoints] %globaltimer ns; zeros unless JAX_MOE_CUDA_TRACE=1
+// when the group was made). Synchronous: for benchmarks and diagnostics only.
+std::vector<unsigned long long> ReadTrace(int64_t id, int ordinal);
 // Bytes of one device's buffer for this shape.
 size_t BufferBytes(const MoeShape& shape);
 // Measured cudaMemcpyPeerAsync bandwidth (bytes / s) from device src to device dst.
