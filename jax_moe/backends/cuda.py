@@ -23,8 +23,6 @@ import numpy as np
 
 from jax_moe.backends.base import Backend
 
-_TARGETS = ("jax_moe_cuda_dispatch_send", "jax_moe_cuda_dispatch_recv", "jax_moe_cuda_combine_send",
-            "jax_moe_cuda_combine_recv", "jax_moe_cuda_timestamp")
 _registered = False
 _lock = threading.Lock()
 _PEER_SELF, _PEER_LOCAL, _PEER_IPC = 0, 1, 2
@@ -55,6 +53,17 @@ def _register() -> None:
         _registered = True
 
 
+def command_buffers() -> bool:
+    """JAX_MOE_CUDA_COMMAND_BUFFERS=1: call the handlers marked command-buffer compatible, so XLA may capture them
+    into CUDA graphs with their neighbours (fewer launch gaps). Their device errors (a peer timed out, an expert id
+    out of range) are then not raised by the next call: read them with `comm.backend.take_errors()`."""
+    return os.environ.get("JAX_MOE_CUDA_COMMAND_BUFFERS", "0") == "1"
+
+
+def _target(name: str) -> str:
+    return f"jax_moe_cuda_{name}" + ("_graph" if command_buffers() else "")
+
+
 def timeout_s() -> float:
     """Bound of every wait on a peer inside the kernels (JAX_MOE_CUDA_TIMEOUT_S, default 60 s)."""
     return float(os.environ.get("JAX_MOE_CUDA_TIMEOUT_S", "60"))
@@ -78,7 +87,7 @@ def timestamp(a: jax.Array, dep: jax.Array) -> tuple[jax.Array, jax.Array]:
     producer. GPU only; used by the benchmark.
     """
     _register()
-    return jax.ffi.ffi_call("jax_moe_cuda_timestamp",
+    return jax.ffi.ffi_call(_target("timestamp"),
                             (jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct((1,), jnp.uint64)),
                             has_side_effect=True, input_output_aliases={0: 0})(a, dep)
 
@@ -249,7 +258,7 @@ class CudaBackend(Backend):
 
     def dispatch_send(self, x, x_scale, topk_idx) -> SendState:
         scale = x_scale if x_scale is not None else jnp.zeros((1, 1), jnp.float32)
-        handle = self._call("jax_moe_cuda_dispatch_send", jax.ShapeDtypeStruct((4,), jnp.int32), x, scale,
+        handle = self._call(_target("dispatch_send"), jax.ShapeDtypeStruct((4,), jnp.int32), x, scale,
                             topk_idx.astype(jnp.int32), has_scale=x_scale is not None)
         return SendState(handle)
 
@@ -260,13 +269,13 @@ class CudaBackend(Backend):
                    jax.ShapeDtypeStruct((m, cfg.num_scales) if fp8 else (1, 1), jnp.float32),
                    jax.ShapeDtypeStruct((self._l,), jnp.int32),
                    jax.ShapeDtypeStruct((m + 1,), jnp.int32))
-        x, scale, counts, route = self._call("jax_moe_cuda_dispatch_recv", results, state.handle, has_scale=fp8)
+        x, scale, counts, route = self._call(_target("dispatch_recv"), results, state.handle, has_scale=fp8)
         return x, (scale if fp8 else None), counts, Route(route)
 
     def combine_send(self, expert_y, route, topk_idx, channel: int = 0):
         if not isinstance(route, Route):
             raise TypeError("backend 'cuda': combine_send needs the Dispatched of this backend's dispatch")
-        handle = self._call("jax_moe_cuda_combine_send", jax.ShapeDtypeStruct((4,), jnp.int32),
+        handle = self._call(_target("combine_send"), jax.ShapeDtypeStruct((4,), jnp.int32),
                             expert_y.astype(self.cfg.combine_dtype), route.route, channel=np.int64(channel))
         return CombineState(handle, channel)
 
@@ -279,7 +288,7 @@ class CudaBackend(Backend):
             y = state.slots.astype(jnp.float32)
             return jnp.einsum("trh,tr->th", y, w, precision=jax.lax.Precision.HIGHEST).astype(self.cfg.combine_dtype)
         out = jax.ShapeDtypeStruct((topk_idx.shape[0], self.cfg.hidden), self.cfg.combine_dtype)
-        return self._call("jax_moe_cuda_combine_recv", out, state.handle, topk_weights.astype(jnp.float32),
+        return self._call(_target("combine_recv"), out, state.handle, topk_weights.astype(jnp.float32),
                           topk_idx.astype(jnp.int32), channel=np.int64(state.channel))
 
     def dispatch_transpose(self, g_expert_x, route, topk_idx):

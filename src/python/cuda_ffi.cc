@@ -44,6 +44,11 @@ void RegisterCuda(nb::module_& m) {
     d["jax_moe_cuda_combine_send"] = Capsule(JaxMoeCudaCombineSend);
     d["jax_moe_cuda_combine_recv"] = Capsule(JaxMoeCudaCombineRecv);
     d["jax_moe_cuda_timestamp"] = Capsule(JaxMoeCudaTimestamp);
+    d["jax_moe_cuda_dispatch_send_graph"] = Capsule(JaxMoeCudaDispatchSendGraph);
+    d["jax_moe_cuda_dispatch_recv_graph"] = Capsule(JaxMoeCudaDispatchRecvGraph);
+    d["jax_moe_cuda_combine_send_graph"] = Capsule(JaxMoeCudaCombineSendGraph);
+    d["jax_moe_cuda_combine_recv_graph"] = Capsule(JaxMoeCudaCombineRecvGraph);
+    d["jax_moe_cuda_timestamp_graph"] = Capsule(JaxMoeCudaTimestampGraph);
     return d;
   });
   cuda.def(

@@ -186,8 +186,9 @@ def test_gradients_match_dense_reference(rng, n, split_halves):
 def test_buffer_bytes_reported():
     cfg = jax_moe.MoEConfig(256, 8, 7168, 128, dispatch_dtype=jnp.float8_e4m3fn)
     decode = buffer_bytes(cfg, 2)
-    # per sender 1024 records of 7168 + 56 * 4 bytes, 2 senders, plus 2 channels of 1024 combine rows of 14336 bytes
-    floor = 2 * 1024 * 7392 + 2 * 1024 * 14336
+    # per sender 128 token records of 7168 + 56 * 4 bytes and 128 x 128 list entries, 2 senders, plus 2 channels of
+    # 1024 combine rows of 14336 bytes
+    floor = 2 * 128 * 7392 + 2 * 128 * 128 * 4 + 2 * 1024 * 14336
     assert floor <= decode < floor + (1 << 20)
     comm = comm_of(jax_moe.MoEConfig(8, 2, 128, 4), 1)
     assert comm.backend.bytes_per_device == buffer_bytes(comm.cfg, 1)

@@ -1,7 +1,10 @@
 // XLA FFI handlers of the four halves: check shapes against the group, then enqueue the kernels on XLA's stream.
 // Host work per call is a registry lookup and a read of the mapped error word, never a device synchronisation.
-// Not marked command-buffer compatible: the recv halves report errors raised by earlier kernels from the host.
-// A recv half that reports an error still launches its kernel first, so this device keeps its epochs in step.
+// Every handler exists twice. The plain one is not command-buffer compatible: each call runs on the host, so the recv
+// halves report errors raised by earlier kernels (a recv half that reports one still launches its kernel first, so
+// this device keeps its epochs in step). The "Graph" one is marked compatible (XLA may capture it into a CUDA graph
+// and replay it without calling the handler): valid because all per-call state (epochs, flags) lives on the device
+// and the launch arguments depend only on the shapes; errors then surface through CudaBackend.take_errors().
 #include "ffi/cuda/handlers.h"
 
 #include <cuda_runtime.h>
@@ -141,54 +144,58 @@ ffi::Error TimestampImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer d
 
 using namespace jax_moe::cuda;  // NOLINT: handler symbols below are extern "C"
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCudaDispatchSend, DispatchSendImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("group")
-                                  .Attr<bool>("has_scale")
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+#define JAX_MOE_CUDA_HANDLERS(name, impl, binding)    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl, binding); \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Graph, impl, binding, {ffi::Traits::kCmdBufferCompatible})
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCudaDispatchRecv, DispatchRecvImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("group")
-                                  .Attr<bool>("has_scale")
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+JAX_MOE_CUDA_HANDLERS(JaxMoeCudaDispatchSend, DispatchSendImpl,
+                      ffi::Ffi::Bind()
+                          .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                          .Ctx<ffi::DeviceOrdinal>()
+                          .Attr<int64_t>("group")
+                          .Attr<bool>("has_scale")
+                          .Arg<ffi::AnyBuffer>()
+                          .Arg<ffi::AnyBuffer>()
+                          .Arg<ffi::Buffer<ffi::S32>>()
+                          .Ret<ffi::Buffer<ffi::S32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCudaCombineSend, CombineSendImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("group")
-                                  .Attr<int64_t>("channel")
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+JAX_MOE_CUDA_HANDLERS(JaxMoeCudaDispatchRecv, DispatchRecvImpl,
+                      ffi::Ffi::Bind()
+                          .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                          .Ctx<ffi::DeviceOrdinal>()
+                          .Attr<int64_t>("group")
+                          .Attr<bool>("has_scale")
+                          .Arg<ffi::Buffer<ffi::S32>>()
+                          .Ret<ffi::AnyBuffer>()
+                          .Ret<ffi::AnyBuffer>()
+                          .Ret<ffi::Buffer<ffi::S32>>()
+                          .Ret<ffi::Buffer<ffi::S32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCudaCombineRecv, CombineRecvImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("group")
-                                  .Attr<int64_t>("channel")
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
+JAX_MOE_CUDA_HANDLERS(JaxMoeCudaCombineSend, CombineSendImpl,
+                      ffi::Ffi::Bind()
+                          .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                          .Ctx<ffi::DeviceOrdinal>()
+                          .Attr<int64_t>("group")
+                          .Attr<int64_t>("channel")
+                          .Arg<ffi::AnyBuffer>()
+                          .Arg<ffi::Buffer<ffi::S32>>()
+                          .Ret<ffi::Buffer<ffi::S32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCudaTimestamp, TimestampImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::U64>>());
+JAX_MOE_CUDA_HANDLERS(JaxMoeCudaCombineRecv, CombineRecvImpl,
+                      ffi::Ffi::Bind()
+                          .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                          .Ctx<ffi::DeviceOrdinal>()
+                          .Attr<int64_t>("group")
+                          .Attr<int64_t>("channel")
+                          .Arg<ffi::Buffer<ffi::S32>>()
+                          .Arg<ffi::Buffer<ffi::F32>>()
+                          .Arg<ffi::Buffer<ffi::S32>>()
+                          .Ret<ffi::AnyBuffer>());
+
+JAX_MOE_CUDA_HANDLERS(JaxMoeCudaTimestamp, TimestampImpl,
+                      ffi::Ffi::Bind()
+                          .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                          .Arg<ffi::AnyBuffer>()
+                          .Arg<ffi::AnyBuffer>()
+                          .Ret<ffi::AnyBuffer>()
+                          .Ret<ffi::Buffer<ffi::U64>>());
