@@ -302,7 +302,7 @@ class CudaBackend(Backend):
 
     # --- diagnostics ----------------------------------------------------------------------------------------------
     def read_trace(self) -> dict[int, np.ndarray]:
-        """Device-side trace per local device ordinal: [64 epochs, halves, (start, waited, end)] %globaltimer ns.
+        """Device-side trace per local device ordinal: [64 epochs, halves, (start, waited, work, end)] %globaltimer ns.
 
         Zeros unless JAX_MOE_CUDA_TRACE=1 was set when the Communicator was made. Halves: dispatch send, dispatch
         recv, combine send, combine recv (channel 0), then combine send/recv of channel 1. Synchronous."""

@@ -72,16 +72,17 @@ def _remote_tokens(idx, n, t, l):
 
 
 _TRACE_HALVES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
-_TRACE_POINTS = ("start", "waited", "end")
+_TRACE_POINTS = ("start", "waited", "work", "end")
 
 
 def _trace_summary(comm) -> Optional[dict]:
     """Median device-side timeline of an iteration per GPU (JAX_MOE_CUDA_TRACE=1): every half's start, end of its
-    waits on peers, and end, in us after that GPU's dispatch_send start; plus each GPU's start against GPU 0's."""
+    waits on peers, end of its block 0's work, and end, in us after that GPU's dispatch_send start. (GPUs' clocks
+    are not synchronised: only times on one GPU are compared.)"""
     if os.environ.get("JAX_MOE_CUDA_TRACE") != "1" or not hasattr(comm.backend, "read_trace"):
         return None
     traces = comm.backend.read_trace()
-    out, ref = {}, None
+    out = {}
     for ordinal in sorted(traces):
         tr = traces[ordinal][:, :4, :].astype(np.int64)  # [ring, half, point], channel 0 only
         used = tr[:, 0, 0] > 0
@@ -90,10 +91,6 @@ def _trace_summary(comm) -> Optional[dict]:
         rel = (tr[used] - tr[used][:, :1, :1]) / 1e3
         out[ordinal] = {f"{h}.{p}": float(np.median(rel[:, i, j]))
                         for i, h in enumerate(_TRACE_HALVES) for j, p in enumerate(_TRACE_POINTS)}
-        if ref is None:
-            ref = tr[:, 0, 0]
-        both = used & (ref > 0)
-        out[ordinal]["skew_vs_first"] = float(np.median((tr[both, 0, 0] - ref[both]) / 1e3)) if both.any() else 0.0
     for ordinal, row in out.items():
         print(f"[moe] trace gpu{ordinal}: " + " ".join(f"{k}={v:.1f}" for k, v in row.items()), flush=True)
     return out

@@ -12,11 +12,11 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
 // dispatch_send. Two independent jobs share the grid, so one launch does both:
+//  - per (token, rank) pair, one warp: if any expert of the token lives on that rank, copy the token (and its fp8
+//    scales) once into tokens[my_rank][t] there. Over NVLink that is each token once per rank, not once per (t, k).
 //  - per global expert g (blocks g, g + gridDim.x, ...): scan the tokens in order; the i-th (t, k) naming g goes to
 //    list[my_rank][e][i] on g's rank (e = g's local index), the count to counts[my_rank][e] there. Ranks come from
 //    warp ballots, so the order is the tokens' order without sorting.
-//  - per (token, rank) pair, one warp: if any expert of the token lives on that rank, copy the token (and its fp8
-//    scales) once into tokens[my_rank][t] there. Over NVLink that is each token once per rank, not once per (t, k).
 // Ids outside [0, E) other than -1 are masked and reported (block 0 checks them).
 __global__ void __launch_bounds__(kThreads)
     DispatchSendKernel(KernelArgs a, int tokens, const uint8_t* x, const uint8_t* xs, const int32_t* idx,
@@ -40,6 +40,22 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
+  const int pairs = tokens * n;
+  // Copies first: their stores drain over NVLink while the block goes on with the scans.
+  // Warp-major order spreads the copies over every block (and SM) even when there are few of them.
+  for (int item = warp * gridDim.x + blockIdx.x; item < pairs; item += gridDim.x * kWarps) {
+    const int t = item / n, p = item - t * n;
+    bool here = false;
+    if (lane < r) {
+      const int g = idx[static_cast<size_t>(t) * r + lane];
+      here = g >= 0 && g < experts && g / s.l == p;
+    }
+    if (!__any_sync(0xffffffffu, here)) continue;
+    uint8_t* dst = Peer(a, p) + a.lay.tokens + (static_cast<size_t>(s.rank) * s.max_tokens + t) * s.rec_bytes;
+    WarpCopy16(dst, x + static_cast<size_t>(t) * s.x_bytes, s.x_bytes, lane);
+    if (xs) WarpCopy4(dst + s.x_bytes, xs + static_cast<size_t>(t) * s.scale_bytes, s.scale_bytes, lane);
+  }
+
   for (int g = blockIdx.x; g < experts; g += gridDim.x) {
     const int p = g / s.l, e = g - p * s.l;
     uint8_t* peer = Peer(a, p);
@@ -48,10 +64,11 @@ __global__ void __launch_bounds__(kThreads)
     for (int base = 0; base < tokens; base += kThreads) {
       const int t = base + threadIdx.x;
       int kf = -1;
-      if (t < tokens) {
+      if (t < tokens) {  // the first slot naming g (later repeats are masked); no early exit, so loads pipeline
         const int32_t* row = idx + static_cast<size_t>(t) * r;
-        for (int k = 0; k < r; ++k)
-          if (row[k] == g) { kf = k; break; }  // the first slot naming g; later repeats are masked
+#pragma unroll 8
+        for (int k = r - 1; k >= 0; --k)
+          if (row[k] == g) kf = k;
       }
       const unsigned m = __ballot_sync(0xffffffffu, kf >= 0);
       if (lane == 0) warp_count[warp] = __popc(m);
@@ -69,20 +86,6 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x == 0) reinterpret_cast<int32_t*>(peer + a.lay.counts)[s.rank * s.l + e] = running;
   }
 
-  const int pairs = tokens * n;
-  // Warp-major order spreads the copies over every block (and SM) even when there are few of them.
-  for (int item = warp * gridDim.x + blockIdx.x; item < pairs; item += gridDim.x * kWarps) {
-    const int t = item / n, p = item - t * n;
-    bool here = false;
-    if (lane < r) {
-      const int g = idx[static_cast<size_t>(t) * r + lane];
-      here = g >= 0 && g < experts && g / s.l == p;
-    }
-    if (!__any_sync(0xffffffffu, here)) continue;
-    uint8_t* dst = Peer(a, p) + a.lay.tokens + (static_cast<size_t>(s.rank) * s.max_tokens + t) * s.rec_bytes;
-    WarpCopy16(dst, x + static_cast<size_t>(t) * s.x_bytes, s.x_bytes, lane);
-    if (xs) WarpCopy4(dst + s.x_bytes, xs + static_cast<size_t>(t) * s.scale_bytes, s.scale_bytes, lane);
-  }
   FinishBlock(a, kDispatchSend, [&](LocalSync* ls) {
     for (int p = 0; p < n; ++p) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchFlag) + s.rank, epoch);
     ls->epoch[kDispatchSend] = epoch;
@@ -136,31 +139,41 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t* list = reinterpret_cast<const int32_t*>(a.base + a.lay.list);
   const uint8_t* toks = a.base + a.lay.tokens;
   const long long slots = s.slots(), rows = s.max_recv_rows();
-  for (long long i = blockIdx.x * kWarps + (threadIdx.x >> 5); i < rows; i += gridDim.x * kWarps) {
-    int32_t tk = -1;
-    int q = 0;
-    if (i < total) {
+  // Warp w takes rows w, w + W, w + 2W, ... (W warps in the grid), 32 at a time: lane j first finds the source of
+  // the j-th (one list load each, all in flight together), then the warp copies or zeroes the 32 rows in turn.
+  const long long warps = static_cast<long long>(gridDim.x) * kWarps;
+  for (long long base = blockIdx.x * kWarps + (threadIdx.x >> 5); base < rows; base += 32 * warps) {
+    const long long mine = base + lane * warps;
+    int32_t my_tk = -1;
+    int my_q = 0;
+    if (mine < total) {
       int lo = 0, hi = blocks - 1;
-      while (lo < hi) {  // the block holding row i: last f with start[f] <= i
+      while (lo < hi) {  // the block holding row `mine`: last f with start[f] <= mine
         const int mid = (lo + hi + 1) >> 1;
-        if (start[mid] <= i) lo = mid; else hi = mid - 1;
+        if (start[mid] <= mine) lo = mid; else hi = mid - 1;
       }
       const int e = lo / n;
-      q = lo - e * n;
-      tk = __ldcg(list + (static_cast<size_t>(q) * l + e) * s.max_tokens + (i - start[lo]));
-      if (tk < 0 || tk >= slots) tk = -1;
+      my_q = lo - e * n;
+      my_tk = __ldcg(list + (static_cast<size_t>(my_q) * l + e) * s.max_tokens + (mine - start[lo]));
+      if (my_tk < 0 || my_tk >= slots) my_tk = -1;
     }
-    if (tk < 0) {
-      WarpZero16(ox + i * s.x_bytes, s.x_bytes, lane);
-      if (os)
-        for (int v = lane; v < (s.scale_bytes >> 2); v += 32) reinterpret_cast<int*>(os + i * s.scale_bytes)[v] = 0;
-      if (lane == 0 && i < total) route[i] = -1;
-      continue;
+    for (int j = 0; j < 32; ++j) {
+      const long long i = base + j * warps;
+      if (i >= rows) break;  // the same for the whole warp
+      const int32_t tk = __shfl_sync(0xffffffffu, my_tk, j);
+      const int q = __shfl_sync(0xffffffffu, my_q, j);
+      if (tk < 0) {
+        WarpZero16(ox + i * s.x_bytes, s.x_bytes, lane);
+        if (os)
+          for (int v = lane; v < (s.scale_bytes >> 2); v += 32) reinterpret_cast<int*>(os + i * s.scale_bytes)[v] = 0;
+        if (lane == 0 && i < total) route[i] = -1;
+        continue;
+      }
+      const uint8_t* src = toks + (static_cast<size_t>(q) * s.max_tokens + tk / s.r) * s.rec_bytes;
+      WarpCopy16(ox + i * s.x_bytes, src, s.x_bytes, lane);
+      if (os) WarpCopy4(os + i * s.scale_bytes, src + s.x_bytes, s.scale_bytes, lane);
+      if (lane == 0) route[i] = static_cast<int32_t>(q * slots + tk);
     }
-    const uint8_t* src = toks + (static_cast<size_t>(q) * s.max_tokens + tk / s.r) * s.rec_bytes;
-    WarpCopy16(ox + i * s.x_bytes, src, s.x_bytes, lane);
-    if (os) WarpCopy4(os + i * s.scale_bytes, src + s.x_bytes, s.scale_bytes, lane);
-    if (lane == 0) route[i] = static_cast<int32_t>(q * slots + tk);
   }
   FinishBlock(a, kDispatchRecv, [&](LocalSync* ls) {
     ls->epoch[kDispatchRecv] = epoch;

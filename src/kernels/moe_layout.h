@@ -26,10 +26,11 @@ constexpr int kFlagKinds = 2 + 2 * kCombineChannels;
 enum ErrorKind { kNoError = 0, kBadExpertId = 1, kTimeout = 2 };
 
 // Device-side trace (JAX_MOE_CUDA_TRACE=1, for the benchmark): per half and epoch (ring of kTraceRing), the
-// %globaltimer at block 0's start, when block 0's waits on peers were over, and when the last block finished.
+// %globaltimer at block 0's start, when block 0's waits on peers were over, when block 0's work was done, and when
+// the last block finished (just before it signals the peers).
 constexpr int kTraceRing = 64;
-constexpr int kTracePoints = 3;
-enum TracePoint { kTraceStart = 0, kTraceWaited = 1, kTraceEnd = 2 };
+constexpr int kTracePoints = 4;
+enum TracePoint { kTraceStart = 0, kTraceWaited = 1, kTraceWork = 2, kTraceEnd = 3 };
 
 struct MoeShape {
   int n = 1;            // ranks on the axis

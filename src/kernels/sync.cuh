@@ -73,14 +73,16 @@ __device__ __forceinline__ void TraceBlock0(const KernelArgs& a, int half, unsig
   if (blockIdx.x == 0 && threadIdx.x == 0) Trace(a, half, epoch, point);
 }
 
-// Ends a launch: every block makes its stores visible system-wide; the last block to finish runs `last()`
-// (signals the peers, advances the epoch) and re-arms the block counter for the next launch.
+// Ends a launch: every block's stores are ordered before its arrival (barrier, then one system-scope fence by thread
+// 0, as cooperative groups' grid sync does); the last block to arrive runs `last()` (signals the peers, advances the
+// epoch) and re-arms the block counter for the next launch.
 template <typename Last>
 __device__ __forceinline__ void FinishBlock(const KernelArgs& a, int half, Last last) {
-  __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
     LocalSync* ls = Local(a);
+    if (blockIdx.x == 0) Trace(a, half, ls->epoch[half] + 1, kTraceWork);
+    __threadfence_system();
     const unsigned prev = atomicAdd(&ls->done[half], 1u);
     if (prev == gridDim.x - 1) {
       ls->done[half] = 0;

@@ -94,7 +94,7 @@ void RegisterCuda(nb::module_& m) {
       },
       "Reads and clears a device's error word (what the next recv half would report); '' when clear.");
   cuda.def("read_trace", &jax_moe::cuda::ReadTrace,
-           "Device-side trace of a device: flat [64 epochs][halves][start, waited, end] %globaltimer ns "
+           "Device-side trace of a device: flat [64 epochs][halves][start, waited, work, end] %globaltimer ns "
            "(JAX_MOE_CUDA_TRACE=1 when the Communicator was made).");
   cuda.def("trace_shape", []() {
     return std::make_tuple(jax_moe::cuda::kTraceRing, jax_moe::cuda::kHalves, jax_moe::cuda::kTracePoints);

@@ -119,6 +119,35 @@ def test_out_of_range_ids_are_masked_then_reported(rng):
         check_roundtrip(comm, 1, x, clean, w, None, got)
 
 
+def test_command_buffer_mode_is_exact_and_reports_errors(rng, monkeypatch):
+    """JAX_MOE_CUDA_COMMAND_BUFFERS=1 picks the handlers marked command-buffer compatible (XLA may then replay them
+    from CUDA graphs without calling the handler). Repeated calls stay bit-exact (epochs live on the device), and a
+    bad id is reported: by take_errors() when the handler was not called again, else by the call itself."""
+    monkeypatch.setenv("JAX_MOE_CUDA_COMMAND_BUFFERS", "1")
+    n = min(2, len(jax.devices("gpu")))
+    e, r, hidden, t = 4 * n, 3, 128, 6
+    comm = comm_of(jax_moe.MoEConfig(e, r, hidden, t), n)
+    f = jax.jit(jax.shard_map(lambda x, i: comm.dispatch(x, i).expert_x, mesh=comm.mesh, in_specs=(P("ep"),) * 2,
+                              out_specs=P("ep")))
+    text = f.lower(jnp.zeros((n * t, hidden), jnp.bfloat16), jnp.zeros((n * t, r), jnp.int32)).as_text()
+    assert "jax_moe_cuda_dispatch_send_graph" in text and "jax_moe_cuda_dispatch_recv_graph" in text
+    for _ in range(3):
+        x, _ = random_tokens(rng, n * t, hidden, False)
+        idx = random_routing(rng, n, t, r, e, mask=0.2)
+        w = rng.random((n * t, r)).astype(np.float32)
+        check_roundtrip(comm, n, x, idx, w, None, roundtrip(comm, x, idx, w))
+    assert comm.backend.take_errors() == []
+    bad = random_routing(rng, n, t, r, e, mask=0.0)
+    bad[0, 0] = e + 5
+    messages = []
+    try:
+        jax.block_until_ready(roundtrip(comm, x, bad, w))
+    except Exception as err:  # noqa: BLE001 - JaxRuntimeError from a handler that did run
+        messages.append(str(err))
+    messages += comm.backend.take_errors()
+    assert any(f"expert id {e + 5}" in m for m in messages), messages
+
+
 def test_many_calls_in_one_jit_and_dispatch_only_loops(rng):
     """Epochs: repeated dispatches without combine (acks hold the senders back) and several round trips per program."""
     n = min(2, len(jax.devices("gpu")))
