@@ -11,6 +11,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+constexpr int kRecvThreads = 128;  // combine_recv: one thread per 16-byte output vector of a 128-vector piece
 
 inline int GridFor(long long work_items, int per_block, int num_sms) {
   long long blocks = (work_items + per_block - 1) / per_block;
@@ -32,12 +33,17 @@ __global__ void __launch_bounds__(kThreads)
   long long total = route[rows];
   total = total < 0 ? 0 : (total > rows ? rows : total);
   const int lane = threadIdx.x & 31;
-  for (long long i = blockIdx.x * kWarps + (threadIdx.x >> 5); i < total; i += gridDim.x * kWarps) {
+  const int chunks = ChunksOf(s.y_bytes);
+  const long long items = total * chunks;
+  for (long long item = blockIdx.x * kWarps + (threadIdx.x >> 5); item < items; item += gridDim.x * kWarps) {
+    const long long i = item / chunks;
+    const int off = static_cast<int>(item - i * chunks) * kChunkBytes;
     const int from = route[i];
     const int q = static_cast<int>(from / slots);
     if (from < 0 || q >= s.n) continue;
     const long long tk = from - q * slots;
-    WarpCopy16(Peer(a, q) + a.lay.comb + (ch * slots + tk) * s.y_bytes, y + i * s.y_bytes, s.y_bytes, lane);
+    const int bytes = s.y_bytes - off < kChunkBytes ? s.y_bytes - off : kChunkBytes;
+    WarpCopy16(Peer(a, q) + a.lay.comb + (ch * slots + tk) * s.y_bytes + off, y + i * s.y_bytes + off, bytes, lane);
   }
   FinishBlock(a, half, [&](LocalSync* ls) {
     for (int p = 0; p < s.n; ++p) StoreReleaseSys(Flags(Peer(a, p), a, flag) + s.rank, epoch);
@@ -47,7 +53,7 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kRecvThreads)
     CombineRecvKernel(KernelArgs a, int ch, int tokens, const float* w, const int32_t* idx, uint8_t* out) {
   extern __shared__ float wk[];  // [R] weight of slot k, 0 when nothing was sent for it
   const MoeShape& s = a.s;
@@ -59,19 +65,24 @@ __global__ void __launch_bounds__(kThreads)
   TraceBlock0(a, half, epoch, kTraceWaited);
   const uint8_t* comb = a.base + a.lay.comb + static_cast<size_t>(ch) * s.slots() * s.y_bytes;
   const int vecs = s.y_bytes >> 4;  // 8 bf16 per 16-byte vector
-  for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
+  const int pieces = (vecs + kRecvThreads - 1) / kRecvThreads;
+  // One item = one token's vectors [piece * 128, piece * 128 + 128): each thread sums one vector over the R slots,
+  // with 8 slots' loads in flight at once.
+  for (int item = blockIdx.x; item < tokens * pieces; item += gridDim.x) {
+    const int t = item / pieces;
+    const int c = (item - t * pieces) * kRecvThreads + threadIdx.x;
     for (int k = threadIdx.x; k < s.r; k += blockDim.x) {
       const int g = SentExpert(idx + static_cast<size_t>(t) * s.r, k, s.experts());
       wk[k] = g >= 0 ? w[static_cast<size_t>(t) * s.r + k] : 0.f;
     }
     __syncthreads();
-    for (int c = threadIdx.x; c < vecs; c += blockDim.x) {
+    if (c < vecs) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int k0 = 0; k0 < s.r; k0 += 4) {  // 4 rows' loads in flight before their sums
-        int4 v[4];
-        float wt[4];
+      for (int k0 = 0; k0 < s.r; k0 += 8) {
+        int4 v[8];
+        float wt[8];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
+        for (int u = 0; u < 8; ++u) {
           const int k = k0 + u;
           wt[u] = k < s.r ? wk[k] : 0.f;
           // Masked slots hold stale rows: never read them into the sum.
@@ -79,7 +90,7 @@ __global__ void __launch_bounds__(kThreads)
             v[u] = LoadCg(reinterpret_cast<const int4*>(comb + (static_cast<size_t>(t) * s.r + k) * s.y_bytes) + c);
         }
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
+        for (int u = 0; u < 8; ++u) {
           if (wt[u] == 0.f) continue;
           const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
 #pragma unroll
@@ -110,17 +121,19 @@ __global__ void TimestampKernel(uint64_t* out) { out[0] = GlobalTimer(); }
 
 cudaError_t LaunchCombineSend(const KernelArgs& a, int channel, const void* expert_y, const int32_t* route,
                               int32_t* handle, cudaStream_t stream) {
-  // A warp per row (the rows received are not known on the host): every SM takes part.
-  const int grid = GridFor(a.s.max_recv_rows(), kWarps, a.num_sms);
+  // A warp per 4 KiB piece of a row (the rows received are not known on the host): every SM takes part.
+  const int grid = GridFor(a.s.max_recv_rows() * ChunksOf(a.s.y_bytes), kWarps, a.num_sms);
   CombineSendKernel<<<grid, kThreads, 0, stream>>>(a, channel, static_cast<const uint8_t*>(expert_y), route, handle);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchCombineRecv(const KernelArgs& a, int channel, int tokens, const float* topk_weights,
                               const int32_t* topk_idx, void* out, cudaStream_t stream) {
-  const int grid = GridFor(tokens, 1, a.num_sms);
-  CombineRecvKernel<<<grid, kThreads, sizeof(float) * a.s.r, stream>>>(a, channel, tokens, topk_weights, topk_idx,
-                                                                      static_cast<uint8_t*>(out));
+  const int pieces = ((a.s.y_bytes >> 4) + kRecvThreads - 1) / kRecvThreads;
+  long long items = static_cast<long long>(tokens) * pieces;
+  const int grid = static_cast<int>(items < 1 ? 1 : (items > 16LL * a.num_sms ? 16LL * a.num_sms : items));
+  CombineRecvKernel<<<grid, kRecvThreads, sizeof(float) * a.s.r, stream>>>(a, channel, tokens, topk_weights, topk_idx,
+                                                                          static_cast<uint8_t*>(out));
   return cudaGetLastError();
 }
 

@@ -40,11 +40,13 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  const int pairs = tokens * n;
-  // Copies first: their stores drain over NVLink while the block goes on with the scans.
-  // Warp-major order spreads the copies over every block (and SM) even when there are few of them.
-  for (int item = warp * gridDim.x + blockIdx.x; item < pairs; item += gridDim.x * kWarps) {
-    const int t = item / n, p = item - t * n;
+  // Copies first: their stores drain over NVLink while the block goes on with the scans. One warp per 4 KiB piece
+  // of a (token, rank) pair, in warp-major order so the copies spread over every block (and SM) even when few.
+  const int chunks = ChunksOf(s.x_bytes);
+  const int items = tokens * n * chunks;
+  for (int item = warp * gridDim.x + blockIdx.x; item < items; item += gridDim.x * kWarps) {
+    const int pair = item / chunks, off = (item - pair * chunks) * kChunkBytes;
+    const int t = pair / n, p = pair - t * n;
     bool here = false;
     if (lane < r) {
       const int g = idx[static_cast<size_t>(t) * r + lane];
@@ -52,8 +54,9 @@ __global__ void __launch_bounds__(kThreads)
     }
     if (!__any_sync(0xffffffffu, here)) continue;
     uint8_t* dst = Peer(a, p) + a.lay.tokens + (static_cast<size_t>(s.rank) * s.max_tokens + t) * s.rec_bytes;
-    WarpCopy16(dst, x + static_cast<size_t>(t) * s.x_bytes, s.x_bytes, lane);
-    if (xs) WarpCopy4(dst + s.x_bytes, xs + static_cast<size_t>(t) * s.scale_bytes, s.scale_bytes, lane);
+    const int bytes = s.x_bytes - off < kChunkBytes ? s.x_bytes - off : kChunkBytes;
+    WarpCopy16(dst + off, x + static_cast<size_t>(t) * s.x_bytes + off, bytes, lane);
+    if (xs && off == 0) WarpCopy4(dst + s.x_bytes, xs + static_cast<size_t>(t) * s.scale_bytes, s.scale_bytes, lane);
   }
 
   for (int g = blockIdx.x; g < experts; g += gridDim.x) {
@@ -192,7 +195,7 @@ inline int GridFor(long long work_items, int per_block, int num_sms) {
 cudaError_t LaunchDispatchSend(const KernelArgs& a, int tokens, const void* x, const void* x_scale,
                                const int32_t* topk_idx, int32_t* handle, cudaStream_t stream) {
   // Enough blocks for one per expert scan and for every (token, rank) copy to have its warp, up to 2 per SM.
-  int grid = GridFor(static_cast<long long>(tokens) * a.s.n, kWarps, a.num_sms);
+  int grid = GridFor(static_cast<long long>(tokens) * a.s.n * ChunksOf(a.s.x_bytes), kWarps, a.num_sms);
   if (grid < a.s.experts()) grid = a.s.experts() < 2 * a.num_sms ? a.s.experts() : 2 * a.num_sms;
   DispatchSendKernel<<<grid, kThreads, 0, stream>>>(a, tokens, static_cast<const uint8_t*>(x),
                                                     static_cast<const uint8_t*>(x_scale), topk_idx, handle);

@@ -129,7 +129,9 @@ def test_command_buffer_mode_is_exact_and_reports_errors(rng, monkeypatch):
     comm = comm_of(jax_moe.MoEConfig(e, r, hidden, t), n)
     f = jax.jit(jax.shard_map(lambda x, i: comm.dispatch(x, i).expert_x, mesh=comm.mesh, in_specs=(P("ep"),) * 2,
                               out_specs=P("ep")))
-    text = f.lower(jnp.zeros((n * t, hidden), jnp.bfloat16), jnp.zeros((n * t, r), jnp.int32)).as_text()
+    sh = NamedSharding(comm.mesh, P("ep"))
+    text = f.lower(jax.ShapeDtypeStruct((n * t, hidden), jnp.bfloat16, sharding=sh),
+                   jax.ShapeDtypeStruct((n * t, r), jnp.int32, sharding=sh)).as_text()
     assert "jax_moe_cuda_dispatch_send_graph" in text and "jax_moe_cuda_dispatch_recv_graph" in text
     for _ in range(3):
         x, _ = random_tokens(rng, n * t, hidden, False)
