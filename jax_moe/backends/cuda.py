@@ -1,11 +1,12 @@
-"""Backend "cuda": dispatch/combine kernels as XLA FFI custom calls, rows pushed over NVLink inside a node.
+"""Backend "cuda": dispatch/combine kernels as XLA FFI custom calls, tokens pushed over NVLink inside a node.
 
-Every Communicator gets, on each of its GPUs, one buffer sized for the worst case (see `buffer_bytes`): per sender a
-receive area of C = max_tokens * min(R, L) records, the counts and an epoch flag, plus the combine area of
-max_tokens * R rows. Ranks map each other's buffers (peer access when one process drives several GPUs, CUDA IPC through
-the jax.distributed key-value store when each GPU has its own process) and synchronise with epoch flags in peer
-memory: no host round trip per call. Rows land bit-exactly in the layout of the reference backend "xla".
-docs/cuda.md has the protocol; src/kernels holds the kernels and src/ffi/cuda the handlers.
+Every Communicator gets, on each of its GPUs, one buffer sized for the worst case (see `buffer_bytes`): per sender
+max_tokens token records (each token crosses NVLink once per destination rank), per sender and local expert the list
+of its (t, k) slots, the counts and epoch flags, plus the combine area of max_tokens * R rows. Ranks map each
+other's buffers (peer access when one process drives several GPUs, CUDA IPC through the jax.distributed key-value
+store when each GPU has its own process) and synchronise with epoch flags in peer memory: no host round trip per
+call. Rows land bit-exactly in the layout of the reference backend "xla". docs/cuda.md has the protocol;
+src/kernels holds the kernels and src/ffi/cuda the handlers.
 """
 from __future__ import annotations
 
