@@ -1,8 +1,11 @@
 """`python -m jax_moe.bench moe`: dispatch/combine latency of jax_moe backends against XLA doing the same job.
 
-On GPUs every iteration is timed on the device: a tiny FFI op stamps %globaltimer between the halves (it passes its
-input through, aliased, so it sits in the data-dependency chain). Iterations are unrolled inside one program so the
-ranks stay in step; p50/p99 over >= 1000 iterations after a warm-up. On CPUs (backends "cpu" and "xla") the halves are
+On GPUs every iteration is timed on the device: a tiny FFI op stamps %globaltimer (it passes its input through,
+aliased, so it sits in the data-dependency chain). Iterations are unrolled inside one program so the ranks stay in
+step; p50/p99 over >= 1000 iterations after a warm-up. Each jax_moe backend runs twice: the dispatch and combine
+totals come from a run stamped only around each operation, the send/recv halves from a run also stamped between
+them (a stamp is one more custom call). With JAX_MOE_CUDA_TRACE=1 the cuda backend's device trace (every kernel's
+start, waits, work and end) is summarised too. On CPUs (backends "cpu" and "xla") the halves are
 timed by the host clock with the same stamps (a CPU FFI op), one iteration per program. Besides the jax_moe backends, "xla-ragged" is MaxText's way on GPU:
 sort by expert, `ragged_all_to_all`, local permute, and back. Prints a table; writes results.json and moe.png to --out.
 """
