@@ -133,16 +133,19 @@ def _kv_client():
 
 class SendState(NamedTuple):
     handle: jax.Array  # int32 [4], written by the send kernel; orders dispatch_recv after it
+    x: jax.Array  # the send's inputs: dispatch_recv reads this rank's own tokens from them (they are not copied)
+    x_scale: jax.Array
 
 
 class Route(NamedTuple):
     route: jax.Array  # int32 [M + 1]: source rank * max_tokens * R + t * R + k of every expert_x row; [M] = rows
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["handle"], meta_fields=["channel"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["handle", "expert_y"], meta_fields=["channel"])
 @dataclasses.dataclass(frozen=True)
 class CombineState:
     handle: jax.Array
+    expert_y: jax.Array  # combine_send's input: combine_recv reads this rank's own rows from it
     channel: int  # static (pytree metadata): 0 forward, 1 inside dispatch's gradient (see dispatch_transpose)
 
 
@@ -261,7 +264,7 @@ class CudaBackend(Backend):
         scale = x_scale if x_scale is not None else jnp.zeros((1, 1), jnp.float32)
         handle = self._call(_target("dispatch_send"), jax.ShapeDtypeStruct((4,), jnp.int32), x, scale,
                             topk_idx.astype(jnp.int32), has_scale=x_scale is not None)
-        return SendState(handle)
+        return SendState(handle, x, scale)
 
     def dispatch_recv(self, state: SendState):
         cfg, m = self.cfg, self.comm.max_recv_rows
@@ -270,15 +273,17 @@ class CudaBackend(Backend):
                    jax.ShapeDtypeStruct((m, cfg.num_scales) if fp8 else (1, 1), jnp.float32),
                    jax.ShapeDtypeStruct((self._l,), jnp.int32),
                    jax.ShapeDtypeStruct((m + 1,), jnp.int32))
-        x, scale, counts, route = self._call(_target("dispatch_recv"), results, state.handle, has_scale=fp8)
+        x, scale, counts, route = self._call(_target("dispatch_recv"), results, state.handle, state.x, state.x_scale,
+                                             has_scale=fp8)
         return x, (scale if fp8 else None), counts, Route(route)
 
     def combine_send(self, expert_y, route, topk_idx, channel: int = 0):
         if not isinstance(route, Route):
             raise TypeError("backend 'cuda': combine_send needs the Dispatched of this backend's dispatch")
-        handle = self._call(_target("combine_send"), jax.ShapeDtypeStruct((4,), jnp.int32),
-                            expert_y.astype(self.cfg.combine_dtype), route.route, channel=np.int64(channel))
-        return CombineState(handle, channel)
+        expert_y = expert_y.astype(self.cfg.combine_dtype)
+        handle = self._call(_target("combine_send"), jax.ShapeDtypeStruct((4,), jnp.int32), expert_y, route.route,
+                            channel=np.int64(channel))
+        return CombineState(handle, expert_y, channel)
 
     def combine_recv(self, state, topk_weights, topk_idx):
         if isinstance(state, SlotsState):
@@ -290,7 +295,7 @@ class CudaBackend(Backend):
             return jnp.einsum("trh,tr->th", y, w, precision=jax.lax.Precision.HIGHEST).astype(self.cfg.combine_dtype)
         out = jax.ShapeDtypeStruct((topk_idx.shape[0], self.cfg.hidden), self.cfg.combine_dtype)
         return self._call(_target("combine_recv"), out, state.handle, topk_weights.astype(jnp.float32),
-                          topk_idx.astype(jnp.int32), channel=np.int64(state.channel))
+                          topk_idx.astype(jnp.int32), state.expert_y, channel=np.int64(state.channel))
 
     def dispatch_transpose(self, g_expert_x, route, topk_idx):
         # Channel 1: its own area, flags and epochs. XLA may run the forward combine_recv (whose output only feeds

@@ -42,6 +42,10 @@ __global__ void __launch_bounds__(kThreads)
     const int q = static_cast<int>(from / slots);
     if (from < 0 || q >= s.n) continue;
     const long long tk = from - q * slots;
+    if (q == s.rank) {  // this rank's own slot: combine_recv reads the row from expert_y, only its index moves
+      if (off == 0 && lane == 0) reinterpret_cast<int32_t*>(a.base + a.lay.self)[ch * slots + tk] = static_cast<int32_t>(i);
+      continue;
+    }
     const int bytes = s.y_bytes - off < kChunkBytes ? s.y_bytes - off : kChunkBytes;
     WarpCopy16(Peer(a, q) + a.lay.comb + (ch * slots + tk) * s.y_bytes + off, y + i * s.y_bytes + off, bytes, lane);
   }
@@ -54,8 +58,11 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void __launch_bounds__(kRecvThreads)
-    CombineRecvKernel(KernelArgs a, int ch, int tokens, const float* w, const int32_t* idx, uint8_t* out) {
-  extern __shared__ float wk[];  // [R] weight of slot k, 0 when nothing was sent for it
+    CombineRecvKernel(KernelArgs a, int ch, int tokens, const float* w, const int32_t* idx, const uint8_t* y,
+                      uint8_t* out) {
+  extern __shared__ uint8_t smem[];
+  const uint8_t** src = reinterpret_cast<const uint8_t**>(smem);  // [R] row of slot k (comb area or expert_y)
+  float* wk = reinterpret_cast<float*>(smem + sizeof(void*) * a.s.r);  // [R] weight of slot k, 0 if nothing sent
   const MoeShape& s = a.s;
   const int half = kCombineRecv + 2 * ch, flag = kCombineFlag + 2 * ch, ack = kCombineAck + 2 * ch;
   const unsigned long long epoch = Local(a)->epoch[half] + 1;
@@ -73,7 +80,15 @@ __global__ void __launch_bounds__(kRecvThreads)
     const int c = (item - t * pieces) * kRecvThreads + threadIdx.x;
     for (int k = threadIdx.x; k < s.r; k += blockDim.x) {
       const int g = SentExpert(idx + static_cast<size_t>(t) * s.r, k, s.experts());
-      wk[k] = g >= 0 ? w[static_cast<size_t>(t) * s.r + k] : 0.f;
+      const size_t slot = static_cast<size_t>(t) * s.r + k;
+      float wt = g >= 0 ? w[slot] : 0.f;
+      const uint8_t* row = comb + slot * s.y_bytes;
+      if (g >= 0 && g / s.l == s.rank) {
+        const int32_t i = reinterpret_cast<const int32_t*>(a.base + a.lay.self)[ch * s.slots() + slot];
+        if (i >= 0 && i < s.max_recv_rows()) row = y + static_cast<size_t>(i) * s.y_bytes; else wt = 0.f;
+      }
+      wk[k] = wt;
+      src[k] = row;
     }
     __syncthreads();
     if (c < vecs) {
@@ -87,7 +102,7 @@ __global__ void __launch_bounds__(kRecvThreads)
           wt[u] = k < s.r ? wk[k] : 0.f;
           // Masked slots hold stale rows: never read them into the sum.
           if (wt[u] != 0.f)
-            v[u] = LoadCg(reinterpret_cast<const int4*>(comb + (static_cast<size_t>(t) * s.r + k) * s.y_bytes) + c);
+            v[u] = LoadCg(reinterpret_cast<const int4*>(src[k]) + c);
         }
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
@@ -128,12 +143,14 @@ cudaError_t LaunchCombineSend(const KernelArgs& a, int channel, const void* expe
 }
 
 cudaError_t LaunchCombineRecv(const KernelArgs& a, int channel, int tokens, const float* topk_weights,
-                              const int32_t* topk_idx, void* out, cudaStream_t stream) {
+                              const int32_t* topk_idx, const void* expert_y, void* out, cudaStream_t stream) {
   const int pieces = ((a.s.y_bytes >> 4) + kRecvThreads - 1) / kRecvThreads;
   long long items = static_cast<long long>(tokens) * pieces;
   const int grid = static_cast<int>(items < 1 ? 1 : (items > 16LL * a.num_sms ? 16LL * a.num_sms : items));
-  CombineRecvKernel<<<grid, kRecvThreads, sizeof(float) * a.s.r, stream>>>(a, channel, tokens, topk_weights, topk_idx,
-                                                                          static_cast<uint8_t*>(out));
+  const size_t smem = (sizeof(void*) + sizeof(float)) * a.s.r;
+  CombineRecvKernel<<<grid, kRecvThreads, smem, stream>>>(a, channel, tokens, topk_weights, topk_idx,
+                                                         static_cast<const uint8_t*>(expert_y),
+                                                         static_cast<uint8_t*>(out));
   return cudaGetLastError();
 }
 

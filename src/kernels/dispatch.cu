@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kThreads)
       const int g = idx[static_cast<size_t>(t) * r + lane];
       here = g >= 0 && g < experts && g / s.l == p;
     }
-    if (!__any_sync(0xffffffffu, here)) continue;
+    if (p == s.rank || !__any_sync(0xffffffffu, here)) continue;  // own tokens: dispatch_recv reads them from x
     uint8_t* dst = Peer(a, p) + a.lay.tokens + (static_cast<size_t>(s.rank) * s.max_tokens + t) * s.rec_bytes;
     const int bytes = s.x_bytes - off < kChunkBytes ? s.x_bytes - off : kChunkBytes;
     WarpCopy16(dst + off, x + static_cast<size_t>(t) * s.x_bytes + off, bytes, lane);
@@ -102,7 +102,8 @@ __global__ void __launch_bounds__(kThreads)
 // copied from the sender's token, the rest zeroed (the reference's padding is zeros; a stale NaN there would poison
 // `x * 0` downstream). Counts and list entries come from peers: anything out of range is dropped, never followed.
 __global__ void __launch_bounds__(kThreads)
-    DispatchRecvKernel(KernelArgs a, uint8_t* ox, uint8_t* os, int32_t* ocounts, int32_t* route) {
+    DispatchRecvKernel(KernelArgs a, const uint8_t* x, const uint8_t* xs, int x_tokens, uint8_t* ox, uint8_t* os,
+                       int32_t* ocounts, int32_t* route) {
   extern __shared__ int smem[];
   const MoeShape& s = a.s;
   const int n = s.n, l = s.l, blocks = s.experts();
@@ -172,9 +173,17 @@ __global__ void __launch_bounds__(kThreads)
         if (lane == 0 && i < total) route[i] = -1;
         continue;
       }
-      const uint8_t* src = toks + (static_cast<size_t>(q) * s.max_tokens + tk / s.r) * s.rec_bytes;
-      WarpCopy16(ox + i * s.x_bytes, src, s.x_bytes, lane);
-      if (os) WarpCopy4(os + i * s.scale_bytes, src + s.x_bytes, s.scale_bytes, lane);
+      const int t = tk / s.r;
+      if (q == s.rank) {  // own tokens were not copied: straight from dispatch_send's input
+        if (t < x_tokens) {
+          WarpCopy16(ox + i * s.x_bytes, x + static_cast<size_t>(t) * s.x_bytes, s.x_bytes, lane);
+          if (os) WarpCopy4(os + i * s.scale_bytes, xs + static_cast<size_t>(t) * s.scale_bytes, s.scale_bytes, lane);
+        }
+      } else {
+        const uint8_t* src = toks + (static_cast<size_t>(q) * s.max_tokens + t) * s.rec_bytes;
+        WarpCopy16(ox + i * s.x_bytes, src, s.x_bytes, lane);
+        if (os) WarpCopy4(os + i * s.scale_bytes, src + s.x_bytes, s.scale_bytes, lane);
+      }
       if (lane == 0) route[i] = static_cast<int32_t>(q * slots + tk);
     }
   }
@@ -202,13 +211,14 @@ cudaError_t LaunchDispatchSend(const KernelArgs& a, int tokens, const void* x, c
   return cudaGetLastError();
 }
 
-cudaError_t LaunchDispatchRecv(const KernelArgs& a, void* expert_x, void* expert_x_scale, int32_t* counts,
-                               int32_t* route, cudaStream_t stream) {
+cudaError_t LaunchDispatchRecv(const KernelArgs& a, const void* x, const void* x_scale, int x_tokens, void* expert_x,
+                               void* expert_x_scale, int32_t* counts, int32_t* route, cudaStream_t stream) {
   const size_t smem = sizeof(int) * (a.s.experts() + 1 + a.s.n + 32);
   // A warp per expert_x row: the received ones are copied, the padding zeroed.
   const int grid = GridFor(a.s.max_recv_rows(), kWarps * 2, a.num_sms);
-  DispatchRecvKernel<<<grid, kThreads, smem, stream>>>(a, static_cast<uint8_t*>(expert_x),
-                                                      static_cast<uint8_t*>(expert_x_scale), counts, route);
+  DispatchRecvKernel<<<grid, kThreads, smem, stream>>>(
+      a, static_cast<const uint8_t*>(x), static_cast<const uint8_t*>(x_scale), x_tokens, static_cast<uint8_t*>(expert_x),
+      static_cast<uint8_t*>(expert_x_scale), counts, route);
   return cudaGetLastError();
 }
 

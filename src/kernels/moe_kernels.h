@@ -13,18 +13,20 @@ namespace jax_moe::cuda {
 cudaError_t LaunchDispatchSend(const KernelArgs& a, int tokens, const void* x, const void* x_scale,
                                const int32_t* topk_idx, int32_t* handle, cudaStream_t stream);
 
-// Receive area -> expert_x [M, x_bytes] (rows after the received ones zeroed), expert_x_scale [M, scale_bytes] (or null), counts [L],
-// route [M + 1] (route[i] = source rank * max_tokens * R + t * R + k of row i; route[M] = rows received).
-cudaError_t LaunchDispatchRecv(const KernelArgs& a, void* expert_x, void* expert_x_scale, int32_t* counts,
-                               int32_t* route, cudaStream_t stream);
+// Receive area -> expert_x [M, x_bytes] (rows after the received ones zeroed), expert_x_scale [M, scale_bytes] (or
+// null), counts [L], route [M + 1] (route[i] = source rank * max_tokens * R + t * R + k of row i; route[M] = rows
+// received). x / x_scale [x_tokens, ...] are this rank's dispatch_send inputs: its own tokens are read from them.
+cudaError_t LaunchDispatchRecv(const KernelArgs& a, const void* x, const void* x_scale, int x_tokens, void* expert_x,
+                               void* expert_x_scale, int32_t* counts, int32_t* route, cudaStream_t stream);
 
 // expert_y [M, y_bytes] -> the token owners' combine areas of `channel`, at the (t, k) slot each row came from.
 cudaError_t LaunchCombineSend(const KernelArgs& a, int channel, const void* expert_y, const int32_t* route,
                               int32_t* handle, cudaStream_t stream);
 
-// out[t] = sum over sent k of w[t, k] * y(t, k), float32 accumulation, bf16 out [T, hidden].
+// out[t] = sum over sent k of w[t, k] * y(t, k), float32 accumulation, bf16 out [T, hidden]. expert_y is this rank's
+// combine_send input: the slots this rank served itself are read from it (they were not copied).
 cudaError_t LaunchCombineRecv(const KernelArgs& a, int channel, int tokens, const float* topk_weights,
-                              const int32_t* topk_idx, void* out, cudaStream_t stream);
+                              const int32_t* topk_idx, const void* expert_y, void* out, cudaStream_t stream);
 
 // Writes %globaltimer (ns) into out[0]: a device-side time stamp for benchmarks.
 cudaError_t LaunchTimestamp(uint64_t* out, cudaStream_t stream);

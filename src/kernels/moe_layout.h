@@ -62,6 +62,8 @@ struct MoeLayout {
   size_t list = 0;    // int32 [n][l][max_tokens]: t * R + k on sender s of the i-th token for local expert e
   size_t tokens = 0;  // [n][max_tokens] records of rec_bytes: token t of sender s (only those sent are written)
   size_t comb = 0;    // [channels][max_tokens * R] rows of y_bytes: expert outputs returned to this token owner
+  size_t self = 0;    // int32 [channels][max_tokens * R]: for slots served by this rank, their expert_y row (this
+                      // rank's own rows are not copied: combine_recv reads them from expert_y)
   size_t total = 0;
 };
 
@@ -85,6 +87,7 @@ inline MoeLayout MakeLayout(const MoeShape& s) {
   m.list = take(sizeof(int32_t) * size_t(s.n) * s.l * s.max_tokens);
   m.tokens = take(size_t(s.rec_bytes) * s.n * s.max_tokens);
   m.comb = take(size_t(s.y_bytes) * s.slots() * kCombineChannels);
+  m.self = take(sizeof(int32_t) * s.slots() * kCombineChannels);
   m.total = at;
   return m;
 }

@@ -70,7 +70,8 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t group,
 }
 
 ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group, bool has_scale,
-                            ffi::Buffer<ffi::S32> handle, ffi::Result<ffi::AnyBuffer> expert_x,
+                            ffi::Buffer<ffi::S32> handle, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
+                            ffi::Result<ffi::AnyBuffer> expert_x,
                             ffi::Result<ffi::AnyBuffer> expert_x_scale, ffi::Result<ffi::Buffer<ffi::S32>> counts,
                             ffi::Result<ffi::Buffer<ffi::S32>> route) {
   std::shared_ptr<const DeviceGroup> dev;
@@ -84,9 +85,22 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group,
     return e;
   if (counts->element_count() != size_t(a.s.l) || route->element_count() != size_t(rows + 1))
     return ffi::Error::InvalidArgument("jax_moe cuda: dispatch_recv outputs do not match the group's shape");
+  const auto xdims = x.dimensions();
+  if (xdims.size() != 2 || xdims[0] > a.s.max_tokens) return ffi::Error::InvalidArgument("jax_moe cuda: bad x");
+  const int64_t x_tokens = xdims[0];
+  if (auto e = CheckRows("x", xdims, x_tokens, a.s.x_bytes, ffi::ByteWidth(x.element_type()), a.s.x_bytes);
+      e.failure())
+    return e;
+  if (has_scale) {
+    if (auto e = CheckRows("x_scale", x_scale.dimensions(), x_tokens, a.s.scale_bytes, 4, a.s.scale_bytes);
+        e.failure())
+      return e;
+  }
   ffi::Error launched =
-      Launched(LaunchDispatchRecv(a, expert_x->untyped_data(), has_scale ? expert_x_scale->untyped_data() : nullptr,
-                                  counts->typed_data(), route->typed_data(), stream),
+      Launched(LaunchDispatchRecv(a, x.untyped_data(), has_scale ? x_scale.untyped_data() : nullptr,
+                                  static_cast<int>(x_tokens), expert_x->untyped_data(),
+                                  has_scale ? expert_x_scale->untyped_data() : nullptr, counts->typed_data(),
+                                  route->typed_data(), stream),
                "dispatch_recv");
   return earlier.empty() ? launched : ffi::Error::Internal(earlier);
 }
@@ -111,7 +125,7 @@ ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t group, 
 ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group, int64_t channel,
                            ffi::Buffer<ffi::S32> handle,
                            ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> topk_idx,
-                           ffi::Result<ffi::AnyBuffer> out) {
+                           ffi::AnyBuffer expert_y, ffi::Result<ffi::AnyBuffer> out) {
   std::shared_ptr<const DeviceGroup> dev;
   if (auto e = Device(group, ordinal, dev); e.failure()) return e;
   const KernelArgs& a = dev->args;
@@ -126,9 +140,13 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group, 
                          a.s.y_bytes);
       e.failure())
     return e;
+  if (auto e = CheckRows("expert_y", expert_y.dimensions(), a.s.max_recv_rows(), a.s.y_bytes,
+                         ffi::ByteWidth(expert_y.element_type()), a.s.y_bytes);
+      e.failure())
+    return e;
   ffi::Error launched = Launched(LaunchCombineRecv(a, static_cast<int>(channel), static_cast<int>(tokens),
                                                    topk_weights.typed_data(), topk_idx.typed_data(),
-                                                   out->untyped_data(), stream),
+                                                   expert_y.untyped_data(), out->untyped_data(), stream),
                                  "combine_recv");
   return earlier.empty() ? launched : ffi::Error::Internal(earlier);
 }
@@ -166,6 +184,8 @@ JAX_MOE_CUDA_HANDLERS(JaxMoeCudaDispatchRecv, DispatchRecvImpl,
                           .Attr<int64_t>("group")
                           .Attr<bool>("has_scale")
                           .Arg<ffi::Buffer<ffi::S32>>()
+                          .Arg<ffi::AnyBuffer>()
+                          .Arg<ffi::AnyBuffer>()
                           .Ret<ffi::AnyBuffer>()
                           .Ret<ffi::AnyBuffer>()
                           .Ret<ffi::Buffer<ffi::S32>>()
@@ -190,6 +210,7 @@ JAX_MOE_CUDA_HANDLERS(JaxMoeCudaCombineRecv, CombineRecvImpl,
                           .Arg<ffi::Buffer<ffi::S32>>()
                           .Arg<ffi::Buffer<ffi::F32>>()
                           .Arg<ffi::Buffer<ffi::S32>>()
+                          .Arg<ffi::AnyBuffer>()
                           .Ret<ffi::AnyBuffer>());
 
 JAX_MOE_CUDA_HANDLERS(JaxMoeCudaTimestamp, TimestampImpl,
