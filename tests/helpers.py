@@ -23,6 +23,20 @@ def mesh_of(n: int, axis: str = "ep", platform: str = "cpu") -> jax.sharding.Mes
     return jax.make_mesh((n,), (axis,), devices=devices[:n])
 
 
+def backend_mesh(backend: str, n: int, axis: str = "ep") -> jax.sharding.Mesh:
+    """The mesh a backend runs on: GPUs for "cuda" (skipped where it is unavailable), CPU devices otherwise."""
+    if backend == "cuda":
+        from jax_moe.backends.cuda import CudaBackend
+
+        why = CudaBackend.unavailable_reason()
+        if why is not None:
+            import pytest
+
+            pytest.skip(f"backend 'cuda': {why}")
+        return mesh_of(n, axis, platform="gpu")
+    return mesh_of(n, axis)
+
+
 def random_routing(rng: np.random.Generator, n: int, t: int, r: int, e: int, *, mask: float = 0.2,
                    skew: bool = False) -> np.ndarray:
     """[n*t, r] int32: distinct experts per token, some masked (-1); skew sends every token to expert 0."""

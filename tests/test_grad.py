@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe
-from helpers import mesh_of, random_routing
+from helpers import backend_mesh, mesh_of, random_routing
 from test_reference import BACKENDS
 
 
@@ -50,7 +50,7 @@ def dense_loss(x, idx, w, a, b, g, num_experts):
 @pytest.mark.parametrize("split_halves", [False, True], ids=["one-shot", "halves"])
 def test_gradients_match_dense_reference(rng, backend, n, split_halves):
     e, r, hidden, t = 8, 3, 64, 6
-    comm = jax_moe.Communicator(jax_moe.MoEConfig(e, r, hidden, t), mesh_of(n), "ep", backend=backend)
+    comm = jax_moe.Communicator(jax_moe.MoEConfig(e, r, hidden, t), backend_mesh(backend, n), "ep", backend=backend)
     x = rng.standard_normal((n * t, hidden)).astype(jnp.bfloat16)
     idx = random_routing(rng, n, t, r, e, mask=0.2)
     w = rng.random((n * t, r)).astype(np.float32)

@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 
 from multiprocess import free_port, launch
-from test_reference import BACKENDS
+from test_reference import CPU_BACKENDS
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("nproc, per_proc", [(2, 2)])
 def test_processes_agree_with_oracle(rng, backend, nproc, per_proc):
     port, seed = free_port(), int(rng.integers(1 << 30))
