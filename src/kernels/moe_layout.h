@@ -97,7 +97,8 @@ struct KernelArgs {
   MoeShape s;
   MoeLayout lay;
   uint8_t* base = nullptr;          // this device's buffer
-  int* error = nullptr;             // host-mapped int32 [2]: ErrorKind, detail (first writer wins)
+  unsigned long long* error = nullptr;  // host-mapped: ErrorKind << 32 | uint32 detail, one word so the host never
+                                        // sees a kind without its detail (first writer wins)
   long long timeout_ns = 0;         // bound of every wait on a peer
   int num_sms = 1;
   int trace = 0;                    // record the device-side trace (see kTraceRing)

@@ -28,9 +28,8 @@ __device__ __forceinline__ LocalSync* Local(const KernelArgs& a) {
 
 // First error wins; the host reads the word (mapped memory) at the next recv half.
 __device__ __forceinline__ void RaiseError(const KernelArgs& a, int kind, int detail) {
-  if (atomicCAS_system(a.error, 0, kind) == 0) {
-    atomicExch_system(a.error + 1, detail);
-  }
+  const unsigned long long word = (static_cast<unsigned long long>(kind) << 32) | static_cast<unsigned>(detail);
+  atomicCAS_system(a.error, 0ull, word);
 }
 
 // Spins until *flag >= want; on timeout raises kTimeout (detail = which) and returns false instead of hanging.

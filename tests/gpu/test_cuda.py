@@ -80,14 +80,18 @@ def test_command_buffer_mode_is_exact_and_reports_errors(rng, monkeypatch):
         w = rng.random((n * t, r)).astype(np.float32)
         check_roundtrip(comm, n, x, idx, w, None, roundtrip(comm, x, idx, w))
     assert comm.backend.take_errors() == []
-    bad = random_routing(rng, n, t, r, e, mask=0.0)
+    # The error path on one rank: with several, a rank whose call raised would leave the others waiting.
+    one = comm_of(jax_moe.MoEConfig(e, r, hidden, t), 1)
+    x, _ = random_tokens(rng, t, hidden, False)
+    bad = random_routing(rng, 1, t, r, e, mask=0.0)
     bad[0, 0] = e + 5
+    w = rng.random((t, r)).astype(np.float32)
     messages = []
     try:
-        jax.block_until_ready(roundtrip(comm, x, bad, w))
+        jax.block_until_ready(roundtrip(one, x, bad, w))
     except Exception as err:  # noqa: BLE001 - JaxRuntimeError from a handler that did run
         messages.append(str(err))
-    messages += comm.backend.take_errors()
+    messages += one.backend.take_errors()
     assert any(f"expert id {e + 5}" in m for m in messages), messages
 
 

@@ -103,12 +103,13 @@ void CreateGroup(int64_t id, const MoeShape& shape, const std::vector<std::pair<
     a.base = static_cast<uint8_t*>(base);
     Check(cudaMemset(base, 0, a.lay.total), "cudaMemset");
     void* host = nullptr;
-    Check(cudaHostAlloc(&host, 2 * sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
-    dev->host_error = static_cast<int*>(host);
-    std::memset(host, 0, 2 * sizeof(int));
+    Check(cudaHostAlloc(&host, sizeof(unsigned long long), cudaHostAllocMapped | cudaHostAllocPortable),
+          "cudaHostAlloc");
+    dev->host_error = static_cast<unsigned long long*>(host);
+    std::memset(host, 0, sizeof(unsigned long long));
     void* mapped = nullptr;
     Check(cudaHostGetDevicePointer(&mapped, host, 0), "cudaHostGetDevicePointer");
-    a.error = static_cast<int*>(mapped);
+    a.error = static_cast<unsigned long long*>(mapped);
     Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     group[ordinal] = std::move(dev);
   }
@@ -186,12 +187,12 @@ void DestroyGroup(int64_t id) {
 std::shared_ptr<const DeviceGroup> FindDevice(int64_t id, int ordinal) { return Lookup(id, ordinal); }
 
 std::string TakeError(const DeviceGroup& dev) {
-  volatile int* word = dev.host_error;
-  const int kind = word[0];
+  // One 64-bit word (kind << 32 | detail): taken and cleared atomically, so a kind is never read without its detail
+  // and an error raised meanwhile is not lost.
+  const unsigned long long word = __atomic_exchange_n(dev.host_error, 0ull, __ATOMIC_SEQ_CST);
+  const int kind = static_cast<int>(word >> 32);
   if (kind == kNoError) return "";
-  const int detail = word[1];
-  word[1] = 0;
-  word[0] = 0;
+  const int detail = static_cast<int>(static_cast<uint32_t>(word));
   switch (kind) {
     case kBadExpertId:
       return "jax_moe cuda: an earlier dispatch on this device got expert id " + std::to_string(detail) +

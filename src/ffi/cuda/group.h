@@ -32,7 +32,7 @@ struct DeviceGroup {
 
   int ordinal = -1;
   KernelArgs args;                  // args.base, args.error: this device's buffer and error word
-  int* host_error = nullptr;        // host view of args.error
+  unsigned long long* host_error = nullptr;  // host view of args.error
   std::vector<void*> ipc_mapped;    // peers' buffers opened through IPC (closed on destruction)
   bool connected = false;
 };
