@@ -182,6 +182,8 @@ class CudaBackend(Backend):
                              f"(hidden={cfg.hidden}); use hidden divisible by 16")
         if cfg.experts_per_token > 32:
             raise ValueError(f"backend 'cuda' handles at most 32 experts per token, got {cfg.experts_per_token}")
+        if comm.num_ranks > 128:
+            raise ValueError(f"backend 'cuda' handles at most 128 ranks, got {comm.num_ranks}")
         _register()
         self._mod, _ = _native()
         self._n = comm.num_ranks

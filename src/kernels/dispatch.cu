@@ -43,9 +43,10 @@ __global__ void __launch_bounds__(kThreads)
   // Copies first: their stores drain over NVLink while the block goes on with the scans. One warp per 4 KiB piece
   // of a (token, rank) pair, in warp-major order so the copies spread over every block (and SM) even when few.
   const int chunks = ChunksOf(s.x_bytes);
-  const int items = tokens * n * chunks;
-  for (int item = warp * gridDim.x + blockIdx.x; item < items; item += gridDim.x * kWarps) {
-    const int pair = item / chunks, off = (item - pair * chunks) * kChunkBytes;
+  const long long items = static_cast<long long>(tokens) * n * chunks;
+  for (long long item = warp * gridDim.x + blockIdx.x; item < items; item += gridDim.x * kWarps) {
+    const int pair = static_cast<int>(item / chunks);
+    const int off = static_cast<int>(item - static_cast<long long>(pair) * chunks) * kChunkBytes;
     const int t = pair / n, p = pair - t * n;
     bool here = false;
     if (lane < r) {
@@ -175,10 +176,15 @@ __global__ void __launch_bounds__(kThreads)
       }
       const int t = tk / s.r;
       if (q == s.rank) {  // own tokens were not copied: straight from dispatch_send's input
-        if (t < x_tokens) {
-          WarpCopy16(ox + i * s.x_bytes, x + static_cast<size_t>(t) * s.x_bytes, s.x_bytes, lane);
-          if (os) WarpCopy4(os + i * s.scale_bytes, xs + static_cast<size_t>(t) * s.scale_bytes, s.scale_bytes, lane);
+        if (t >= x_tokens) {  // cannot come from our own send; never leave the row uninitialised
+          WarpZero16(ox + i * s.x_bytes, s.x_bytes, lane);
+          if (os)
+            for (int v = lane; v < (s.scale_bytes >> 2); v += 32) reinterpret_cast<int*>(os + i * s.scale_bytes)[v] = 0;
+          if (lane == 0) route[i] = -1;
+          continue;
         }
+        WarpCopy16(ox + i * s.x_bytes, x + static_cast<size_t>(t) * s.x_bytes, s.x_bytes, lane);
+        if (os) WarpCopy4(os + i * s.scale_bytes, xs + static_cast<size_t>(t) * s.scale_bytes, s.scale_bytes, lane);
       } else {
         const uint8_t* src = toks + (static_cast<size_t>(q) * s.max_tokens + t) * s.rec_bytes;
         WarpCopy16(ox + i * s.x_bytes, src, s.x_bytes, lane);

@@ -84,6 +84,9 @@ void CreateGroup(int64_t id, const MoeShape& shape, const std::vector<std::pair<
           "jax_moe cuda: row sizes must be multiples of 16 bytes");
   Require(shape.scale_bytes % 4 == 0, "jax_moe cuda: scale rows must be whole float32s");
   Require(shape.r <= 32, "jax_moe cuda: at most 32 experts per token (one warp lane each)");
+  Require(shape.n <= 128, "jax_moe cuda: at most 128 ranks (one thread per peer waits on its flag)");
+  Require(int64_t(shape.n) * shape.max_tokens * shape.r < (int64_t(1) << 31),
+          "jax_moe cuda: ranks x max_tokens x experts_per_token must fit the int32 route");
   const char* trace = std::getenv("JAX_MOE_CUDA_TRACE");
   Group group;
   for (const auto& [ordinal, rank] : devices) {

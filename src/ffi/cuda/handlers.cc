@@ -77,7 +77,6 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group,
   std::shared_ptr<const DeviceGroup> dev;
   if (auto e = Device(group, ordinal, dev); e.failure()) return e;
   const KernelArgs& a = dev->args;
-  const std::string earlier = TakeError(*dev);
   const int64_t rows = a.s.max_recv_rows();
   if (auto e = CheckRows("expert_x", expert_x->dimensions(), rows, a.s.x_bytes,
                          ffi::ByteWidth(expert_x->element_type()), a.s.x_bytes);
@@ -95,7 +94,12 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group,
     if (auto e = CheckRows("x_scale", x_scale.dimensions(), x_tokens, a.s.scale_bytes, 4, a.s.scale_bytes);
         e.failure())
       return e;
+    if (auto e = CheckRows("expert_x_scale", expert_x_scale->dimensions(), rows, a.s.scale_bytes, 4, a.s.scale_bytes);
+        e.failure())
+      return e;
   }
+  // Shapes first (a shape error is a caller's bug and launches nothing); then the device's earlier error is taken.
+  const std::string earlier = TakeError(*dev);
   ffi::Error launched =
       Launched(LaunchDispatchRecv(a, x.untyped_data(), has_scale ? x_scale.untyped_data() : nullptr,
                                   static_cast<int>(x_tokens), expert_x->untyped_data(),
@@ -129,7 +133,6 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group, 
   std::shared_ptr<const DeviceGroup> dev;
   if (auto e = Device(group, ordinal, dev); e.failure()) return e;
   const KernelArgs& a = dev->args;
-  const std::string earlier = TakeError(*dev);
   if (channel < 0 || channel >= kCombineChannels) return ffi::Error::InvalidArgument("jax_moe cuda: bad channel");
   const auto idims = topk_idx.dimensions();
   if (idims.size() != 2 || idims[1] != a.s.r || idims[0] > a.s.max_tokens ||
@@ -144,6 +147,7 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group, 
                          ffi::ByteWidth(expert_y.element_type()), a.s.y_bytes);
       e.failure())
     return e;
+  const std::string earlier = TakeError(*dev);
   ffi::Error launched = Launched(LaunchCombineRecv(a, static_cast<int>(channel), static_cast<int>(tokens),
                                                    topk_weights.typed_data(), topk_idx.typed_data(),
                                                    expert_y.untyped_data(), out->untyped_data(), stream),
