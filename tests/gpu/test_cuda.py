@@ -125,13 +125,7 @@ def test_many_calls_in_one_jit_and_dispatch_only_loops(rng):
     np.testing.assert_array_equal(bits(np.asarray(out2)), bits(np.asarray(out)))
 
 
-def test_buffer_bytes_reported():
-    cfg = jax_moe.MoEConfig(256, 8, 7168, 128, dispatch_dtype=jnp.float8_e4m3fn)
-    decode = buffer_bytes(cfg, 2)
-    # per sender 128 token records of 7168 + 56 * 4 bytes and 128 x 128 list entries, 2 senders, plus 2 channels of
-    # 1024 combine rows of 14336 bytes
-    floor = 2 * 128 * 7392 + 2 * 128 * 128 * 4 + 2 * 1024 * 14336
-    assert floor <= decode < floor + (1 << 20)
+def test_buffer_bytes_of_a_communicator():
     comm = comm_of(jax_moe.MoEConfig(8, 2, 128, 4), 1)
     assert comm.backend.bytes_per_device == buffer_bytes(comm.cfg, 1)
 
