@@ -149,10 +149,6 @@ class CombineState:
     channel: int  # static (pytree metadata): 0 forward, 1 inside dispatch's gradient (see dispatch_transpose)
 
 
-class SlotsState(NamedTuple):
-    slots: jax.Array  # [T, R, hidden]: the rows of every (t, k), from the reference path (see backward_combine)
-
-
 class CudaBackend(Backend):
     name = "cuda"
     # The combine inside dispatch's gradient: "cuda" (channel 1 of the kernels) or "reference" (the "xla" backend's
@@ -288,13 +284,6 @@ class CudaBackend(Backend):
         return CombineState(handle, expert_y, channel)
 
     def combine_recv(self, state, topk_weights, topk_idx):
-        if isinstance(state, SlotsState):
-            from jax_moe.backends.xla import sanitize_topk
-
-            valid = sanitize_topk(topk_idx, self.cfg.num_experts) >= 0
-            w = jnp.where(valid, topk_weights.astype(jnp.float32), 0.0)
-            y = state.slots.astype(jnp.float32)
-            return jnp.einsum("trh,tr->th", y, w, precision=jax.lax.Precision.HIGHEST).astype(self.cfg.combine_dtype)
         out = jax.ShapeDtypeStruct((topk_idx.shape[0], self.cfg.hidden), self.cfg.combine_dtype)
         return self._call(_target("combine_recv"), out, state.handle, topk_weights.astype(jnp.float32),
                           topk_idx.astype(jnp.int32), state.expert_y, channel=np.int64(state.channel))
@@ -302,11 +291,14 @@ class CudaBackend(Backend):
     def dispatch_transpose(self, g_expert_x, route, topk_idx):
         # Channel 1: its own area, flags and epochs. XLA may run the forward combine_recv (whose output only feeds
         # the loss) after this combine_send; on a shared channel that would deadlock.
-        if self.backward_combine == "reference":
-            state = SlotsState(self.comm._reference.combine_slots(g_expert_x, None, topk_idx))
-        else:
-            state = self.combine_send(g_expert_x, route, topk_idx, channel=1)
-        return self.combine_recv(state, jnp.ones(topk_idx.shape, jnp.float32), topk_idx)
+        ones = jnp.ones(topk_idx.shape, jnp.float32)
+        if self.backward_combine == "reference":  # XLA's per-slot path instead of the kernels (for diagnosis)
+            from jax_moe.backends.xla import sanitize_topk
+
+            w = jnp.where(sanitize_topk(topk_idx, self.cfg.num_experts) >= 0, ones, 0.0)
+            y = self.comm._reference.combine_slots(g_expert_x, None, topk_idx).astype(jnp.float32)
+            return jnp.einsum("trh,tr->th", y, w, precision=jax.lax.Precision.HIGHEST).astype(self.cfg.combine_dtype)
+        return self.combine_recv(self.combine_send(g_expert_x, route, topk_idx, channel=1), ones, topk_idx)
 
     # --- diagnostics ----------------------------------------------------------------------------------------------
     def read_trace(self) -> dict[int, np.ndarray]:
