@@ -30,7 +30,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 import jax_moe  # noqa: E402
 from helpers import random_routing, random_tokens  # noqa: E402
-from test_grad import dense_loss, moe_loss_fn  # noqa: E402
+from test_grad import check_grads, grad_problem, moe_loss_fn  # noqa: E402
 from test_reference import check_roundtrip, roundtrip  # noqa: E402
 
 
@@ -56,19 +56,10 @@ def main() -> None:
             check_roundtrip(comm, n, x, idx, w, scale, outs)
 
     comm = jax_moe.Communicator(jax_moe.MoEConfig(e, r, hidden, t), mesh, "ep", backend=backend)
-    x = rng.standard_normal((n * t, hidden)).astype(jnp.bfloat16)
-    idx = random_routing(rng, n, t, r, e, mask=0.2)
-    w = rng.random((n * t, r)).astype(np.float32)
-    a = (1 + 0.5 * rng.standard_normal((e, hidden))).astype(np.float32)
-    b = (0.1 * rng.standard_normal((e, hidden))).astype(np.float32)
-    g = rng.standard_normal((n * t, hidden)).astype(np.float32)
+    problem = grad_problem(rng, n, t, r, e, hidden)
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("ep"))
-    args = [jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i]) for v in (x, idx, w, a, b, g)]
-    got = [gather(v) for v in moe_loss_fn(comm, split_halves=True)(*args)]
-    want = jax.grad(dense_loss, argnums=(0, 2, 3, 4))(jnp.asarray(x), idx, w, a, b, g, e)
-    for gv, wv in zip(got, want):
-        wv = np.asarray(wv, np.float32)
-        np.testing.assert_allclose(gv.astype(np.float32), wv, rtol=2e-2, atol=2e-2 * (np.abs(wv).max() + 1e-6))
+    args = [jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i]) for v in problem]
+    check_grads([gather(v) for v in moe_loss_fn(comm, split_halves=True)(*args)], problem, e)
     print(f"OK process {proc}/{nproc} devices={n} backend={comm.backend_name}", flush=True)
 
 

@@ -45,30 +45,40 @@ def dense_loss(x, idx, w, a, b, g, num_experts):
     return jnp.sum(out * g)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("split_halves", [False, True], ids=["one-shot", "halves"])
-def test_gradients_match_dense_reference(rng, backend, n, split_halves):
-    e, r, hidden, t = 8, 3, 64, 6
-    comm = jax_moe.Communicator(jax_moe.MoEConfig(e, r, hidden, t), backend_mesh(backend, n), "ep", backend=backend)
+def grad_problem(rng, n: int, t: int, r: int, e: int, hidden: int):
+    """(x, topk_idx, topk_weights, a, b, g): the arguments of moe_loss_fn / dense_loss, some routing slots masked."""
     x = rng.standard_normal((n * t, hidden)).astype(jnp.bfloat16)
     idx = random_routing(rng, n, t, r, e, mask=0.2)
     w = rng.random((n * t, r)).astype(np.float32)
     a = (1 + 0.5 * rng.standard_normal((e, hidden))).astype(np.float32)
     b = (0.1 * rng.standard_normal((e, hidden))).astype(np.float32)
     g = rng.standard_normal((n * t, hidden)).astype(np.float32)
+    return x, idx, w, a, b, g
 
-    sh = NamedSharding(comm.mesh, P("ep"))
-    args = [jax.device_put(v, sh) for v in (x, idx, w, a, b, g)]
-    got = moe_loss_fn(comm, split_halves)(*args)
-    want = jax.grad(dense_loss, argnums=(0, 2, 3, 4))(jnp.asarray(x), idx, w, a, b, g, e)
+
+def check_grads(got, problem, num_experts: int) -> None:
+    """Gradients (x, topk_weights, a, b) of the MoE loss equal the dense reference; masked slots get no weight
+    gradient."""
+    x, idx, w, a, b, g = problem
+    want = jax.grad(dense_loss, argnums=(0, 2, 3, 4))(jnp.asarray(x), idx, w, a, b, g, num_experts)
     for name, gv, wv in zip(("x", "topk_weights", "a", "b"), got, want):
         gv, wv = np.asarray(gv, np.float32), np.asarray(wv, np.float32)
         assert gv.shape == wv.shape, name
         scale = np.abs(wv).max() + 1e-6
         np.testing.assert_allclose(gv, wv, rtol=2e-2, atol=2e-2 * scale, err_msg=f"d loss / d {name}")
-    # masked entries get no weight gradient
     assert np.all(np.asarray(got[1])[idx < 0] == 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("split_halves", [False, True], ids=["one-shot", "halves"])
+def test_gradients_match_dense_reference(rng, backend, n, split_halves):
+    e, r, hidden, t = 8, 3, 64, 6
+    comm = jax_moe.Communicator(jax_moe.MoEConfig(e, r, hidden, t), backend_mesh(backend, n), "ep", backend=backend)
+    problem = grad_problem(rng, n, t, r, e, hidden)
+    sh = NamedSharding(comm.mesh, P("ep"))
+    got = moe_loss_fn(comm, split_halves)(*[jax.device_put(v, sh) for v in problem])
+    check_grads(got, problem, e)
 
 
 def test_fp8_dispatch_is_not_differentiable(rng):
