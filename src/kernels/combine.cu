@@ -3,21 +3,14 @@
 #include <cuda_bf16.h>
 
 #include "kernels/copy.cuh"
+#include "kernels/grid.h"
 #include "kernels/moe_kernels.h"
 #include "kernels/sync.cuh"
 
 namespace jax_moe::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
 constexpr int kRecvThreads = 128;  // combine_recv: one thread per 16-byte output vector of a 128-vector piece
-
-inline int GridFor(long long work_items, int per_block, int num_sms) {
-  long long blocks = (work_items + per_block - 1) / per_block;
-  if (blocks > 2LL * num_sms) blocks = 2LL * num_sms;
-  return blocks < 1 ? 1 : static_cast<int>(blocks);
-}
 
 __global__ void __launch_bounds__(kThreads)
     CombineSendKernel(KernelArgs a, int ch, const uint8_t* y, const int32_t* route, int32_t* handle) {

@@ -2,14 +2,12 @@
 // its tokens) and dispatch_recv (wait, expand the received tokens into expert_x rows in the contract order: local
 // expert, then source rank, then source token). One kernel each.
 #include "kernels/copy.cuh"
+#include "kernels/grid.h"
 #include "kernels/moe_kernels.h"
 #include "kernels/sync.cuh"
 
 namespace jax_moe::cuda {
 namespace {
-
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
 
 // dispatch_send. Two independent jobs share the grid, so one launch does both:
 //  - per (token, rank) pair, one warp: if any expert of the token lives on that rank, copy the token (and its fp8
@@ -160,7 +158,8 @@ __global__ void __launch_bounds__(kThreads)
       const int e = lo / n;
       my_q = lo - e * n;
       my_tk = __ldcg(list + (static_cast<size_t>(my_q) * l + e) * s.max_tokens + (mine - start[lo]));
-      if (my_tk < 0 || my_tk >= slots) my_tk = -1;
+      // Own tokens are read from dispatch_send's x: one past its rows cannot come from our own send.
+      if (my_tk < 0 || my_tk >= slots || (my_q == s.rank && my_tk / s.r >= x_tokens)) my_tk = -1;
     }
     for (int j = 0; j < 32; ++j) {
       const long long i = base + j * warps;
@@ -175,20 +174,13 @@ __global__ void __launch_bounds__(kThreads)
         continue;
       }
       const int t = tk / s.r;
-      if (q == s.rank) {  // own tokens were not copied: straight from dispatch_send's input
-        if (t >= x_tokens) {  // cannot come from our own send; never leave the row uninitialised
-          WarpZero16(ox + i * s.x_bytes, s.x_bytes, lane);
-          if (os)
-            for (int v = lane; v < (s.scale_bytes >> 2); v += 32) reinterpret_cast<int*>(os + i * s.scale_bytes)[v] = 0;
-          if (lane == 0) route[i] = -1;
-          continue;
-        }
-        WarpCopy16(ox + i * s.x_bytes, x + static_cast<size_t>(t) * s.x_bytes, s.x_bytes, lane);
-        if (os) WarpCopy4(os + i * s.scale_bytes, xs + static_cast<size_t>(t) * s.scale_bytes, s.scale_bytes, lane);
-      } else {
-        const uint8_t* src = toks + (static_cast<size_t>(q) * s.max_tokens + t) * s.rec_bytes;
-        WarpCopy16(ox + i * s.x_bytes, src, s.x_bytes, lane);
-        if (os) WarpCopy4(os + i * s.scale_bytes, src + s.x_bytes, s.scale_bytes, lane);
+      // Own tokens were not copied: straight from dispatch_send's input.
+      const uint8_t* src = q == s.rank ? x + static_cast<size_t>(t) * s.x_bytes
+                                       : toks + (static_cast<size_t>(q) * s.max_tokens + t) * s.rec_bytes;
+      WarpCopy16(ox + i * s.x_bytes, src, s.x_bytes, lane);
+      if (os) {
+        const uint8_t* src_scale = q == s.rank ? xs + static_cast<size_t>(t) * s.scale_bytes : src + s.x_bytes;
+        WarpCopy4(os + i * s.scale_bytes, src_scale, s.scale_bytes, lane);
       }
       if (lane == 0) route[i] = static_cast<int32_t>(q * slots + tk);
     }
@@ -197,12 +189,6 @@ __global__ void __launch_bounds__(kThreads)
     ls->epoch[kDispatchRecv] = epoch;
     for (int p = 0; p < n; ++p) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchAck) + s.rank, epoch);
   });
-}
-
-inline int GridFor(long long work_items, int per_block, int num_sms) {
-  long long blocks = (work_items + per_block - 1) / per_block;
-  if (blocks > 2LL * num_sms) blocks = 2LL * num_sms;
-  return blocks < 1 ? 1 : static_cast<int>(blocks);
 }
 
 }  // namespace
