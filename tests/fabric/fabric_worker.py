@@ -120,9 +120,16 @@ def scenario_killed(w, rounds):
     w.round(0)
     w.barrier()
     victim = 0  # first member of every survivor's group: its stuck writes must not hold back the others
+    # The victim dies only once every survivor has its barrier message: our barrier returning says the
+    # others' messages reached us, not that ours reached them (a kill right away once lost one over tcp).
     if w.rank == victim:
+        w.eng.wait_sends(WAIT)
+        for r in w.others:
+            fetch(w.d, f"passed.{r}", WAIT)
         publish(w.d, f"finished.{victim}", b"1")
         os.kill(os.getpid(), signal.SIGKILL)
+    publish(w.d, f"passed.{w.rank}", b"1")
+    fetch(w.d, f"finished.{victim}", WAIT)
     time.sleep(0.5)  # let it die
     t0 = time.monotonic()
     out = {"victim_peer": w.peer[victim]}
