@@ -186,9 +186,10 @@ class CudaBackend(Backend):
         self._l = comm.num_local_experts
         self._group = int(comm.id)
         self.bytes_per_device = buffer_bytes(cfg, self._n)
-        self._connect()
+        # Registered before connecting, so a failed connect (an unsupported peer, say) still frees the buffers.
         finalizer = weakref.finalize(self, self._mod.destroy_group, self._group)
         finalizer.atexit = False  # at exit the process goes away with its CUDA context
+        self._connect()
 
     # --- set-up -------------------------------------------------------------------------------------------------
     def _rank_table(self) -> np.ndarray:
@@ -242,7 +243,8 @@ class CudaBackend(Backend):
                 mod.connect(gid, int(d.local_hardware_id), peers)
 
     def take_errors(self) -> list[str]:
-        """Reads and clears the error words of this process's devices (call after the results are ready)."""
+        """Reads and clears the error words of this process's devices (call after the results are ready). A timeout
+        is not cleared: it is returned again by every later read, since the Communicator is unusable after one."""
         me = jax.process_index()
         return [e for row in self._rank_table() for d in row if d.process_index == me
                 for e in [self._mod.take_error(self._group, int(d.local_hardware_id))] if e]

@@ -19,7 +19,8 @@ __global__ void __launch_bounds__(kThreads)
   const unsigned long long epoch = Local(a)->epoch[half] + 1;
   TraceBlock0(a, half, epoch, kTraceStart);
   // The token owners must have summed the previous epoch before their combine areas are overwritten.
-  if (threadIdx.x < s.n) WaitAtLeast(a, Flags(a.base, a, ack) + threadIdx.x, epoch - 1, 200 + threadIdx.x);
+  if (threadIdx.x < s.n)
+    WaitAtLeast(a, Flags(a.base, a, ack) + threadIdx.x, epoch - 1, ack * kWaitStride + threadIdx.x);
   __syncthreads();
   TraceBlock0(a, half, epoch, kTraceWaited);
   const long long rows = s.max_recv_rows(), slots = s.slots();
@@ -60,7 +61,7 @@ __global__ void __launch_bounds__(kRecvThreads)
   const int half = kCombineRecv + 2 * ch, flag = kCombineFlag + 2 * ch, ack = kCombineAck + 2 * ch;
   const unsigned long long epoch = Local(a)->epoch[half] + 1;
   TraceBlock0(a, half, epoch, kTraceStart);
-  if (threadIdx.x < s.n) WaitAtLeast(a, Flags(a.base, a, flag) + threadIdx.x, epoch, 300 + threadIdx.x);
+  if (threadIdx.x < s.n) WaitAtLeast(a, Flags(a.base, a, flag) + threadIdx.x, epoch, flag * kWaitStride + threadIdx.x);
   __syncthreads();
   TraceBlock0(a, half, epoch, kTraceWaited);
   const uint8_t* comb = a.base + a.lay.comb + static_cast<size_t>(ch) * s.slots() * s.y_bytes;

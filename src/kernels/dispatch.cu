@@ -27,7 +27,8 @@ __global__ void __launch_bounds__(kThreads)
   TraceBlock0(a, kDispatchSend, epoch, kTraceStart);
 
   // The receivers must have consumed the previous epoch before their areas are overwritten.
-  if (threadIdx.x < n) WaitAtLeast(a, Flags(a.base, a, kDispatchAck) + threadIdx.x, epoch - 1, 100 + threadIdx.x);
+  if (threadIdx.x < n) WaitAtLeast(a, Flags(a.base, a, kDispatchAck) + threadIdx.x, epoch - 1,
+                                     kDispatchAck * kWaitStride + threadIdx.x);
   __syncthreads();
   TraceBlock0(a, kDispatchSend, epoch, kTraceWaited);
 
@@ -99,7 +100,8 @@ __global__ void __launch_bounds__(kThreads)
 // dispatch_recv. Every block waits for the senders, then lays out the contract order in shared memory: block
 // f = e * n + s (local expert e, sender s) starts at start[f]. One warp per expert_x row: rows below the total are
 // copied from the sender's token, the rest zeroed (the reference's padding is zeros; a stale NaN there would poison
-// `x * 0` downstream). Counts and list entries come from peers: anything out of range is dropped, never followed.
+// `x * 0` downstream). Counts and list entries come from peers: anything out of range is dropped, never followed,
+// and reported (kBadPeerData).
 __global__ void __launch_bounds__(kThreads)
     DispatchRecvKernel(KernelArgs a, const uint8_t* x, const uint8_t* xs, int x_tokens, uint8_t* ox, uint8_t* os,
                        int32_t* ocounts, int32_t* route) {
@@ -113,14 +115,16 @@ __global__ void __launch_bounds__(kThreads)
   TraceBlock0(a, kDispatchRecv, epoch, kTraceStart);
 
   if (threadIdx.x < n) ok[threadIdx.x] = WaitAtLeast(a, Flags(a.base, a, kDispatchFlag) + threadIdx.x, epoch,
-                                                     threadIdx.x);
+                                                     kDispatchFlag * kWaitStride + threadIdx.x);
   __syncthreads();
   TraceBlock0(a, kDispatchRecv, epoch, kTraceWaited);
   const int32_t* counts = reinterpret_cast<const int32_t*>(a.base + a.lay.counts);
   for (int f = threadIdx.x; f < blocks; f += blockDim.x) {
     const int e = f / n, q = f - e * n;
     const int v = ok[q] ? __ldcg(counts + q * l + e) : 0;
-    start[f + 1] = (v < 0 || v > s.max_tokens) ? 0 : v;
+    const bool bad = v < 0 || v > s.max_tokens;
+    if (bad) RaiseError(a, kBadPeerData, q);
+    start[f + 1] = bad ? 0 : v;
   }
   if (threadIdx.x == 0) start[0] = 0;
   __syncthreads();
@@ -128,8 +132,10 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x < n) {
     int sum = 0;
     for (int e = 0; e < l; ++e) sum += start[e * n + threadIdx.x + 1];
-    if (sum > s.c)
+    if (sum > s.c) {
+      RaiseError(a, kBadPeerData, threadIdx.x);
       for (int e = 0; e < l; ++e) start[e * n + threadIdx.x + 1] = 0;
+    }
   }
   __syncthreads();
   BlockInclusiveScan(start + 1, blocks, warp_sums);
@@ -159,7 +165,10 @@ __global__ void __launch_bounds__(kThreads)
       my_q = lo - e * n;
       my_tk = __ldcg(list + (static_cast<size_t>(my_q) * l + e) * s.max_tokens + (mine - start[lo]));
       // Own tokens are read from dispatch_send's x: one past its rows cannot come from our own send.
-      if (my_tk < 0 || my_tk >= slots || (my_q == s.rank && my_tk / s.r >= x_tokens)) my_tk = -1;
+      if (my_tk < 0 || my_tk >= slots || (my_q == s.rank && my_tk / s.r >= x_tokens)) {
+        RaiseError(a, kBadPeerData, my_q);
+        my_tk = -1;
+      }
     }
     for (int j = 0; j < 32; ++j) {
       const long long i = base + j * warps;

@@ -21,9 +21,15 @@ enum Half { kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, kCombineRecv
 constexpr int kCombineChannels = 2;
 constexpr int kHalves = 4 + 2 * (kCombineChannels - 1);
 constexpr int kFlagKinds = 2 + 2 * kCombineChannels;
+// Rows of the flag area (combine: + 2 * channel). Peer s writes column s: its epoch when it sent us data (flag) or
+// when it finished reading what we sent it (ack).
+enum FlagKind { kDispatchFlag = 0, kDispatchAck = 1, kCombineFlag = 2, kCombineAck = 3 };
+// A timeout's error detail: which flag (FlagKind) * kWaitStride + the rank that did not write it.
+constexpr int kWaitStride = 1024;
 
 // Error codes in the host-mapped error word (reported by the next recv half's handler).
-enum ErrorKind { kNoError = 0, kBadExpertId = 1, kTimeout = 2 };
+// kBadPeerData: a peer's counts or token lists did not fit this buffer (detail = that rank); its data was dropped.
+enum ErrorKind { kNoError = 0, kBadExpertId = 1, kTimeout = 2, kBadPeerData = 3 };
 
 // Device-side trace (JAX_MOE_CUDA_TRACE=1, for the benchmark): per half and epoch (ring of kTraceRing), the
 // %globaltimer at block 0's start, when block 0's waits on peers were over, when block 0's work was done, and when

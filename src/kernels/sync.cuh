@@ -39,7 +39,10 @@ __device__ __forceinline__ bool WaitAtLeast(const KernelArgs& a, const unsigned 
                                            unsigned long long want, int which) {
   if (LoadAcquireSys(flag) >= want) return true;
   volatile int* timed_out = &Local(a)->timed_out;
-  if (*timed_out) return false;  // an earlier wait gave up: the peer is gone, do not stall every call
+  if (*timed_out) {  // an earlier wait gave up: the peer is gone, do not stall every call, but say so every time
+    RaiseError(a, kTimeout, which);
+    return false;
+  }
   const unsigned long long start = GlobalTimer();
   while (LoadAcquireSys(flag) < want) {
     if (static_cast<long long>(GlobalTimer() - start) > a.timeout_ns) {
@@ -54,7 +57,6 @@ __device__ __forceinline__ bool WaitAtLeast(const KernelArgs& a, const unsigned 
 __device__ __forceinline__ unsigned long long* Flags(uint8_t* base, const KernelArgs& a, int kind) {
   return reinterpret_cast<unsigned long long*>(base + a.lay.flags) + kind * a.s.n;
 }
-enum FlagKind { kDispatchFlag = 0, kDispatchAck = 1, kCombineFlag = 2, kCombineAck = 3 };  // combine: + 2 * channel
 
 __device__ __forceinline__ uint8_t* Peer(const KernelArgs& a, int p) {
   return reinterpret_cast<uint8_t* const*>(a.base + a.lay.peers)[p];

@@ -85,7 +85,8 @@ void RegisterCuda(nb::module_& m) {
         jax_moe::cuda::ConnectGroup(id, ordinal, specs);
       },
       "peers: (rank, kind 0=self 1=local device 2=ipc, peer ordinal, ipc handle bytes), in rank order.");
-  cuda.def("destroy_group", &jax_moe::cuda::DestroyGroup);
+  // Without the GIL: teardown waits for the devices (and, bounded, for the peers' last acknowledgements).
+  cuda.def("destroy_group", &jax_moe::cuda::DestroyGroup, nb::call_guard<nb::gil_scoped_release>());
   cuda.def(
       "take_error",
       [](int64_t id, int ordinal) {

@@ -4,6 +4,9 @@ scales, masked ids, skewed loads, gradients) runs on "cuda" from tests/test_refe
 backend lists include it. Skipped where there is no CUDA build or no GPU."""
 from __future__ import annotations
 
+import gc
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,6 +126,37 @@ def test_many_calls_in_one_jit_and_dispatch_only_loops(rng):
     for _ in range(20):  # many programs back to back
         out2, _ = run(comm, body, x, idx, w, out_specs=(P("ep"), P("ep")))
     np.testing.assert_array_equal(bits(np.asarray(out2)), bits(np.asarray(out)))
+
+
+def test_a_silent_peer_times_out_and_the_communicator_stays_failed(rng, monkeypatch):
+    """Rank 0 dispatches alone (rank 1 never calls): its recv kernel gives up after JAX_MOE_CUDA_TIMEOUT_S. The next
+    call names rank 1, and so does every call after it: once epochs are out of step no result may come back as if
+    valid. Dropping the Communicator then frees its buffers without waiting for rank 1 again."""
+    if len(jax.devices("gpu")) < 2:
+        pytest.skip("needs 2 GPUs")
+    monkeypatch.setenv("JAX_MOE_CUDA_TIMEOUT_S", "0.5")
+    e, r, hidden, t = 4, 2, 128, 4
+    comm = comm_of(jax_moe.MoEConfig(e, r, hidden, t), 2)
+    b = comm.backend
+    solo = jax.sharding.Mesh(np.array([comm.mesh.devices.flat[0]]), ("ep",))  # rank 0's GPU only
+    f = jax.jit(jax.shard_map(lambda x, i: b.dispatch_recv(b.dispatch_send(x, None, i))[0], mesh=solo,
+                              in_specs=(P("ep"),) * 2, out_specs=P("ep")))
+    x, _ = random_tokens(rng, t, hidden, False)
+    idx = random_routing(rng, 1, t, r, e, mask=0.0)
+    errors = []
+    for _ in range(3):
+        try:
+            jax.block_until_ready(f(x, idx))
+        except Exception as err:  # noqa: BLE001 - JaxRuntimeError
+            errors.append(str(err))
+    # The first call's handler ran before its kernel timed out; the two after it must both fail, naming rank 1.
+    assert len(errors) >= 2, errors
+    assert all("rank 1 did not send its dispatched tokens" in m and "build a new Communicator" in m
+               for m in errors), errors
+    del f, b, comm
+    t0 = time.monotonic()
+    gc.collect()
+    assert time.monotonic() - t0 < 10
 
 
 def test_buffer_bytes_of_a_communicator():

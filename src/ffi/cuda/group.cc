@@ -2,12 +2,16 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include "common/error.h"
+#include "common/log.h"
 
 namespace jax_moe::cuda {
 namespace {
@@ -175,6 +179,50 @@ void ConnectGroup(int64_t id, int ordinal, const std::vector<PeerSpec>& peers) {
   dev->connected = true;
 }
 
+namespace {
+
+// Waits until nothing of this group runs on `dev` and no peer will write into its buffer again: the peers' last
+// acknowledgements of this device's sends (the only writes a peer makes after this device has received every round
+// it sent) have arrived. Bounded: a peer that is gone or out of step is given up on after a few seconds.
+void Quiesce(const DeviceGroup& dev) {
+  if (cudaSetDevice(dev.ordinal) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
+    cudaGetLastError();
+    return;
+  }
+  const KernelArgs& a = dev.args;
+  LocalSync local;
+  if (cudaMemcpy(&local, a.base + a.lay.local, sizeof(local), cudaMemcpyDeviceToHost) != cudaSuccess) {
+    cudaGetLastError();
+    return;
+  }
+  if (local.timed_out) return;  // a peer already failed to answer: waiting again would only delay the error path
+  std::vector<unsigned long long> flags(size_t(kFlagKinds) * a.s.n);
+  const auto bound = std::chrono::nanoseconds(std::min<long long>(a.timeout_ns, 5'000'000'000LL));
+  const auto deadline = std::chrono::steady_clock::now() + bound;
+  for (;;) {
+    if (cudaMemcpy(flags.data(), a.base + a.lay.flags, flags.size() * sizeof(flags[0]), cudaMemcpyDeviceToHost) !=
+        cudaSuccess) {
+      cudaGetLastError();
+      return;
+    }
+    int missing = -1;
+    for (int p = 0; p < a.s.n && missing < 0; ++p) {
+      if (flags[size_t(kDispatchAck) * a.s.n + p] < local.epoch[kDispatchSend]) missing = p;
+      for (int ch = 0; ch < kCombineChannels; ++ch)
+        if (flags[size_t(kCombineAck + 2 * ch) * a.s.n + p] < local.epoch[kCombineSend + 2 * ch]) missing = p;
+    }
+    if (missing < 0) return;
+    if (std::chrono::steady_clock::now() > deadline) {
+      JAX_MOE_LOG(kWarn, "jax_moe cuda: freeing a Communicator's buffer on device "
+                             << dev.ordinal << " although rank " << missing << " never acknowledged its last round");
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+}  // namespace
+
 void DestroyGroup(int64_t id) {
   Group doomed;
   {
@@ -184,28 +232,63 @@ void DestroyGroup(int64_t id) {
     doomed = std::move(g->second);
     Registry().erase(g);
   }
-  doomed.clear();  // outside the lock: destruction waits for the devices
+  // Outside the lock. Two phases: every device of the group is quiet before any buffer is freed, since a kernel on
+  // one device may still write into another's buffer (an acknowledgement at the end of a receive).
+  int previous = 0;
+  cudaGetDevice(&previous);
+  for (const auto& [ordinal, dev] : doomed) Quiesce(*dev);
+  cudaSetDevice(previous);
+  doomed.clear();
 }
 
 std::shared_ptr<const DeviceGroup> FindDevice(int64_t id, int ordinal) { return Lookup(id, ordinal); }
 
-std::string TakeError(const DeviceGroup& dev) {
-  // One 64-bit word (kind << 32 | detail): taken and cleared atomically, so a kind is never read without its detail
-  // and an error raised meanwhile is not lost.
-  const unsigned long long word = __atomic_exchange_n(dev.host_error, 0ull, __ATOMIC_SEQ_CST);
+namespace {
+
+std::string ErrorMessage(unsigned long long word) {
   const int kind = static_cast<int>(word >> 32);
-  if (kind == kNoError) return "";
   const int detail = static_cast<int>(static_cast<uint32_t>(word));
   switch (kind) {
+    case kNoError:
+      return "";
     case kBadExpertId:
       return "jax_moe cuda: an earlier dispatch on this device got expert id " + std::to_string(detail) +
              " in topk_idx, outside [0, num_experts) and not -1 (those slots were masked)";
-    case kTimeout:
-      return "jax_moe cuda: a peer did not signal within the timeout (wait " + std::to_string(detail) +
-             "); results of that call are incomplete";
+    case kTimeout: {
+      static const char* const kWhat[] = {"its dispatched tokens", "its acknowledgement of our dispatch",
+                                          "its combined rows", "its acknowledgement of our combine"};
+      const int flag = detail / kWaitStride;  // FlagKind; the combine kinds repeat per channel
+      if (flag < 0 || flag >= kFlagKinds) return "jax_moe cuda: a wait timed out (" + std::to_string(detail) + ")";
+      const int what = flag < kCombineFlag ? flag : kCombineFlag + (flag - kCombineFlag) % 2;
+      return "jax_moe cuda: rank " + std::to_string(detail % kWaitStride) + " did not send " + kWhat[what] +
+             (flag >= kCombineFlag + 2 ? " (gradient channel)" : "") +
+             " within the timeout; this Communicator's results are incomplete from then on and every later call "
+             "fails: build a new Communicator";
+    }
+    case kBadPeerData:
+      return "jax_moe cuda: rank " + std::to_string(detail) +
+             " sent token counts or lists that do not fit this Communicator's buffers (its data was dropped); "
+             "results of that call are incomplete";
     default:
       return "jax_moe cuda: device error " + std::to_string(kind);
   }
+}
+
+}  // namespace
+
+std::string TakeError(const DeviceGroup& dev) {
+  // One 64-bit word (kind << 32 | detail): taken and cleared atomically, so a kind is never read without its detail
+  // and an error raised meanwhile is not lost. A timeout is not cleared: after it the peers' epochs are out of step
+  // with this device's, so every later call must fail rather than return stale rows.
+  unsigned long long word = __atomic_load_n(dev.host_error, __ATOMIC_SEQ_CST);
+  if (static_cast<int>(word >> 32) != kTimeout) word = __atomic_exchange_n(dev.host_error, 0ull, __ATOMIC_SEQ_CST);
+  if (static_cast<int>(word >> 32) == kTimeout) __atomic_store_n(dev.host_error, word, __ATOMIC_SEQ_CST);
+  return ErrorMessage(word);
+}
+
+std::string StickyError(const DeviceGroup& dev) {
+  const unsigned long long word = __atomic_load_n(dev.host_error, __ATOMIC_SEQ_CST);
+  return static_cast<int>(word >> 32) == kTimeout ? ErrorMessage(word) : std::string();
 }
 
 std::vector<unsigned long long> ReadTrace(int64_t id, int ordinal) {

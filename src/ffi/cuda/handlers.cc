@@ -32,6 +32,21 @@ ffi::Error Device(int64_t group, int32_t ordinal, std::shared_ptr<const DeviceGr
                                        std::to_string(ordinal) + " (was the Communicator built on this mesh?)");
   }
   if (!dev->connected) return ffi::Error::Internal("jax_moe cuda: group " + std::to_string(group) + " not connected");
+  // After a timeout the peers' epochs are out of step with this device's: nothing is launched any more.
+  if (std::string failed = StickyError(*dev); !failed.empty()) return ffi::Error::Internal(failed);
+  return ffi::Error::Success();
+}
+
+// The send halves write 4 int32 into their handle result (the epoch; it orders the recv half after the send).
+ffi::Error CheckHandle(size_t elements) {
+  if (elements != 4) return ffi::Error::InvalidArgument("jax_moe cuda: the handle result must be int32[4]");
+  return ffi::Error::Success();
+}
+
+// fp8 scales are float32, one per 128 channels.
+ffi::Error CheckScaleType(const char* what, ffi::DataType type) {
+  if (type != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument(std::string("jax_moe cuda: ") + what + " must be float32");
   return ffi::Error::Success();
 }
 
@@ -57,12 +72,14 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t group,
   if (auto e = CheckRows("x", dims, tokens, a.s.x_bytes, ffi::ByteWidth(x.element_type()), a.s.x_bytes); e.failure())
     return e;
   if (has_scale) {
+    if (auto e = CheckScaleType("x_scale", x_scale.element_type()); e.failure()) return e;
     if (auto e = CheckRows("x_scale", x_scale.dimensions(), tokens, a.s.scale_bytes, 4, a.s.scale_bytes); e.failure())
       return e;
   }
   const auto idims = topk_idx.dimensions();
   if (idims.size() != 2 || idims[0] != tokens || idims[1] != a.s.r)
     return ffi::Error::InvalidArgument("jax_moe cuda: topk_idx must be [T, experts_per_token]");
+  if (auto e = CheckHandle(handle->element_count()); e.failure()) return e;
   return Launched(LaunchDispatchSend(a, static_cast<int>(tokens), x.untyped_data(),
                                      has_scale ? x_scale.untyped_data() : nullptr, topk_idx.typed_data(),
                                      handle->typed_data(), stream),
@@ -91,6 +108,8 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group,
       e.failure())
     return e;
   if (has_scale) {
+    if (auto e = CheckScaleType("x_scale", x_scale.element_type()); e.failure()) return e;
+    if (auto e = CheckScaleType("expert_x_scale", expert_x_scale->element_type()); e.failure()) return e;
     if (auto e = CheckRows("x_scale", x_scale.dimensions(), x_tokens, a.s.scale_bytes, 4, a.s.scale_bytes);
         e.failure())
       return e;
@@ -121,6 +140,7 @@ ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t group, 
     return e;
   if (route.element_count() != size_t(rows + 1)) return ffi::Error::InvalidArgument("jax_moe cuda: bad route");
   if (channel < 0 || channel >= kCombineChannels) return ffi::Error::InvalidArgument("jax_moe cuda: bad channel");
+  if (auto e = CheckHandle(handle->element_count()); e.failure()) return e;
   return Launched(LaunchCombineSend(a, static_cast<int>(channel), expert_y.untyped_data(), route.typed_data(),
                                     handle->typed_data(), stream),
                   "combine_send");
