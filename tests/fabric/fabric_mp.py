@@ -38,7 +38,7 @@ def _remove_shm_of(procs):
     for p in procs:
         try:
             for name in os.listdir("/dev/shm"):
-                if name.startswith(f"{p.pid}:"):
+                if name.split(":")[0].split("_")[0] == str(p.pid):  # "<pid>_<random>:<n>" (ofi_backend.cc)
                     os.unlink(os.path.join("/dev/shm", name))
         except OSError:
             pass

@@ -307,3 +307,22 @@ def test_concurrent_submitters_and_waiters(pair):
         for i in range(per_thread):
             off = (t * per_thread + i) * chunk
             assert np.array_equal(dst[off:off + chunk], src[t * chunk:(t + 1) * chunk])
+
+
+@pytest.mark.skipif("shm" not in AVAILABLE, reason="libfabric shm provider not available")
+def test_shm_endpoint_opens_beside_a_stale_region_with_our_pid():
+    """A process killed before closing its shm endpoint leaves /dev/shm/<pid>:0:0; a later process given the same pid
+    must still open its endpoints (the default names would clash: fi_enable EBUSY, seen in CI)."""
+    import os
+
+    stale = [f"/dev/shm/{os.getpid()}:0:{i}" for i in range(2)]
+    made = [p for p in stale if not os.path.exists(p)]
+    try:
+        for p in made:
+            with open(p, "wb") as f:
+                f.truncate(16 << 20)
+        e = fabric.TransferEngine("shm", 2)
+        e.close()
+    finally:
+        for p in made:
+            os.unlink(p)

@@ -7,11 +7,15 @@
 
 #include <signal.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <random>
 #include <set>
 #include <unordered_map>
 
@@ -305,12 +309,26 @@ class OfiBackend final : public Backend {
     Check(fi_endpoint(nic->domain.get(), info, nic->ep.out(), nullptr), "fi_endpoint");
     Check(fi_ep_bind(nic->ep.get(), &nic->av->fid, 0), "fi_ep_bind(av)");
     Check(fi_ep_bind(nic->ep.get(), &nic->cq->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
+    if (provider_ == "shm") NameShmEndpoint(nic->ep.get());
     Check(fi_enable(nic->ep.get()), "fi_enable");
     char name[256];
     size_t len = sizeof(name);
     Check(fi_getname(&nic->ep->fid, name, &len), "fi_getname");
     nic->address.assign(name, len);
     nics_.push_back(std::move(nic));
+  }
+
+  // shm's default endpoint name is "<pid>:<n>:<m>", and its region /dev/shm/<that name>. A process that ended
+  // without closing its endpoint (SIGKILL, os._exit) leaves the region behind, and a later process that gets the
+  // same pid then fails fi_enable with EBUSY ("shm file in use"). A random part in the name avoids the clash; the
+  // name still starts with the pid, which CheckShmPeerAlive reads.
+  static void NameShmEndpoint(fid_ep* ep) {
+    static std::atomic<unsigned> counter{0};
+    std::random_device rd;
+    char name[64];
+    std::snprintf(name, sizeof(name), "fi_shm://%ld_%08x%08x:%u", static_cast<long>(getpid()), rd(), rd(),
+                  counter.fetch_add(1));
+    Check(fi_setname(&ep->fid, name, std::strlen(name) + 1), "fi_setname(shm)");
   }
 
   // libfabric 1.17's shm provider crashes in fi_av_insert when the peer's shared-memory region is
