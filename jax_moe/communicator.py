@@ -12,6 +12,7 @@ from jax_moe.config import MoEConfig
 from jax_moe.types import CombineHandle, Dispatched, DispatchHandle
 
 _ids = itertools.count(1)
+FABRIC_PROVIDERS = ("auto", "tcp", "shm", "efa", "verbs")
 
 
 def _mesh_platform(mesh: Any) -> str:
@@ -42,12 +43,18 @@ class Communicator:
         shape = getattr(mesh, "shape", None)
         if names is None or shape is None:
             raise TypeError(f"Communicator: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-        axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+        axes = (axis_name,) if isinstance(axis_name, str) else (
+            tuple(axis_name) if isinstance(axis_name, (tuple, list)) else None)
         if not axes or not all(isinstance(a, str) for a in axes):
             raise TypeError(f"Communicator: axis_name must be a mesh axis name or a tuple of them, got {axis_name!r}")
         for a in axes:
             if a not in names:
                 raise ValueError(f"Communicator: axis {a!r} is not in the mesh (axes: {tuple(names)})")
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or not timeout_s > 0):
+            raise ValueError(f"Communicator: timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if fabric_provider is not None and fabric_provider not in FABRIC_PROVIDERS:
+            raise ValueError(f"Communicator: fabric_provider must be one of {FABRIC_PROVIDERS}, got {fabric_provider!r}")
         self.cfg = cfg
         self.mesh = mesh
         self.axis_name: Union[str, tuple[str, ...]] = axis_name if isinstance(axis_name, str) else axes

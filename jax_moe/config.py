@@ -15,6 +15,14 @@ def _dtype_name(dtype: Any) -> str:
     return np.dtype(dtype).name
 
 
+def _as_dtype(field: str, value: Any) -> np.dtype:
+    try:
+        return np.dtype(value)
+    except TypeError:
+        raise TypeError(f"MoEConfig.{field} must be a dtype (jnp.bfloat16 or jnp.float8_e4m3fn), got {value!r}") \
+            from None
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Shapes and wire dtypes of dispatch/combine; identical on every rank.
@@ -44,8 +52,8 @@ class MoEConfig:
         if self.experts_per_token > self.num_experts:
             raise ValueError(
                 f"MoEConfig.experts_per_token ({self.experts_per_token}) exceeds num_experts ({self.num_experts})")
-        dispatch = np.dtype(self.dispatch_dtype)
-        combine = np.dtype(self.combine_dtype)
+        dispatch = _as_dtype("dispatch_dtype", self.dispatch_dtype)
+        combine = _as_dtype("combine_dtype", self.combine_dtype)
         if dispatch not in [np.dtype(d) for d in DISPATCH_DTYPES]:
             raise ValueError(f"MoEConfig.dispatch_dtype must be bfloat16 or float8_e4m3fn, got {dispatch.name}")
         if combine not in [np.dtype(d) for d in COMBINE_DTYPES]:

@@ -27,6 +27,14 @@ def check_axis(comm: "Communicator", op: str) -> None:
     if size != comm.num_ranks:
         raise ValueError(f"jax_moe.{op}: axis {comm.axis_name!r} has size {size} here, but the Communicator was "
                          f"built for {comm.num_ranks} ranks")
+    # jax.vmap(..., axis_name=...) binds the name too, but only shard_map runs one program per rank.
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    manual = getattr(get_mesh(), "manual_axes", None) if get_mesh is not None else None
+    axes = (comm.axis_name,) if isinstance(comm.axis_name, str) else tuple(comm.axis_name)
+    if manual is not None and not set(axes) <= set(manual):
+        raise RuntimeError(
+            f"jax_moe.{op} must be called inside jax.shard_map over axis {comm.axis_name!r}; here the axis is bound "
+            f"but is not a shard_map (manual) axis (jax.vmap with axis_name is not supported)")
 
 
 def check_array(op: str, name: str, a: Any, shape: tuple, dtype: Any = None, kind: Optional[str] = None) -> None:
@@ -47,6 +55,9 @@ def check_dispatch(comm: "Communicator", op: str, x: Any, topk_idx: Any, x_scale
     check_axis(comm, op)
     check_array(op, "x", x, (None, cfg.hidden))
     t = x.shape[0]
+    if t == 0:
+        raise ValueError(f"jax_moe.{op}: x has 0 tokens on this rank; pass at least one (a token whose topk_idx "
+                         f"row is all -1 is sent nowhere)")
     if t > cfg.max_tokens:
         raise ValueError(f"jax_moe.{op}: x has {t} tokens on this rank, more than max_tokens={cfg.max_tokens}")
     if np.dtype(x.dtype) != cfg.dispatch_dtype:
@@ -69,6 +80,8 @@ def check_expert_y(comm: "Communicator", op: str, expert_y: Any, d: "Dispatched"
     if not isinstance(d, Dispatched):
         raise TypeError(f"jax_moe.{op}: expected the Dispatched returned by dispatch, got {type(d).__name__}")
     check_comm(comm, op, d._comm_id, "Dispatched")
+    if d._route is None or d._topk_idx is None:
+        raise ValueError(f"jax_moe.{op}: this Dispatched was not made by dispatch (it has no routing state)")
     check_array(op, "expert_y", expert_y, (comm.max_recv_rows, comm.cfg.hidden), comm.cfg.combine_dtype)
 
 

@@ -47,10 +47,11 @@ def dispatch_with(comm, *args):
     (dict(dispatch_dtype=jnp.float32), "dispatch_dtype must be bfloat16 or float8_e4m3fn"),
     (dict(combine_dtype=jnp.float16), "combine_dtype must be bfloat16"),
     (dict(hidden=100, dispatch_dtype=jnp.float8_e4m3fn), "hidden \\(100\\) must be divisible by scale_block"),
+    (dict(dispatch_dtype="notadtype"), "MoEConfig.dispatch_dtype must be a dtype"),
 ])
 def test_bad_config(cfg_kwargs, match):
     kw = dict(num_experts=E, experts_per_token=R, hidden=H, max_tokens=T) | cfg_kwargs
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         jax_moe.MoEConfig(**kw)
 
 
@@ -64,6 +65,14 @@ def test_bad_communicator():
         jax_moe.Communicator(cfg, mesh_of(2), "ep", backend="nccl")
     with pytest.raises(TypeError, match="cfg must be a jax_moe.MoEConfig"):
         jax_moe.Communicator({"num_experts": 8}, mesh_of(2), "ep")
+    for axis in (0, None):
+        with pytest.raises(TypeError, match="axis_name must be a mesh axis name"):
+            jax_moe.Communicator(cfg, mesh_of(2), axis)
+    for t in ("abc", 0, -1.0, True):
+        with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds"):
+            jax_moe.Communicator(cfg, mesh_of(2), "ep", backend="xla", timeout_s=t)
+    with pytest.raises(ValueError, match="fabric_provider must be one of"):
+        jax_moe.Communicator(cfg, mesh_of(2), "ep", backend="xla", fabric_provider="bogus")
 
 
 def test_outside_shard_map(comm):
@@ -72,6 +81,13 @@ def test_outside_shard_map(comm):
     with pytest.raises(RuntimeError, match="inside jax.shard_map over axis 'ep'"):
         jax.jit(lambda x, i: jax_moe.dispatch(comm, x, i).expert_x)(
             jnp.zeros((T, H), jnp.bfloat16), jnp.zeros((T, R), jnp.int32))
+
+
+def test_vmap_axis_is_not_shard_map(comm):
+    """jax.vmap(axis_name="ep") binds the name, but runs one program for all ranks: refused at trace time."""
+    with pytest.raises(RuntimeError, match="not a shard_map \\(manual\\) axis"):
+        jax.vmap(lambda x, i: comm.dispatch(x, i).expert_x, axis_name="ep")(
+            jnp.zeros((N, T, H), jnp.bfloat16), jnp.zeros((N, T, R), jnp.int32))
 
 
 def test_wrong_axis_size(comm):
@@ -85,6 +101,7 @@ def test_wrong_axis_size(comm):
     (np.zeros((N * T,), jnp.bfloat16), idx_of(), "x has shape \\[4\\], expected \\[\\?, 128\\]", ValueError),
     (x_of(h=64), idx_of(), "x has shape \\[4, 64\\], expected \\[\\?, 128\\]", ValueError),
     (x_of(t=T + 1), idx_of(t=T + 1), "x has 5 tokens on this rank, more than max_tokens=4", ValueError),
+    (x_of(t=0), idx_of(t=0), "x has 0 tokens on this rank; pass at least one", ValueError),
     (x_of(dtype=np.float32), idx_of(), "x has dtype float32, expected dispatch_dtype bfloat16", TypeError),
     (x_of(), idx_of(r=3), "topk_idx has shape \\[4, 3\\], expected \\[4, 2\\]", ValueError),
     (x_of(), idx_of(dtype=np.float32), "topk_idx has dtype float32, expected int32", TypeError),
@@ -149,3 +166,11 @@ def test_handles_are_checked(comm):
 
     with pytest.raises(TypeError, match="expected the handle from combine_send, got DispatchHandle"):
         run(comm, recv_wrong_handle, x_of(), idx_of())
+
+    def combine_hand_built(x, idx):
+        d = jax_moe.Dispatched(jnp.zeros((comm.max_recv_rows, H), jnp.bfloat16), None, jnp.zeros((E // N,), jnp.int32),
+                               idx, None, comm.id)
+        return comm.combine(d.expert_x, jnp.zeros((T, R)), d)
+
+    with pytest.raises(ValueError, match="this Dispatched was not made by dispatch"):
+        run(comm, combine_hand_built, x_of(), idx_of())
