@@ -54,7 +54,8 @@ class Communicator:
                                       or not timeout_s > 0):
             raise ValueError(f"Communicator: timeout_s must be a positive number of seconds, got {timeout_s!r}")
         if fabric_provider is not None and fabric_provider not in FABRIC_PROVIDERS:
-            raise ValueError(f"Communicator: fabric_provider must be one of {FABRIC_PROVIDERS}, got {fabric_provider!r}")
+            raise ValueError(f"Communicator: fabric_provider must be one of {FABRIC_PROVIDERS}, "
+                             f"got {fabric_provider!r}")
         self.cfg = cfg
         self.mesh = mesh
         self.axis_name: Union[str, tuple[str, ...]] = axis_name if isinstance(axis_name, str) else axes
