@@ -260,10 +260,16 @@ std::string ErrorMessage(unsigned long long word) {
       const int flag = detail / kWaitStride;  // FlagKind; the combine kinds repeat per channel
       if (flag < 0 || flag >= kFlagKinds) return "jax_moe cuda: a wait timed out (" + std::to_string(detail) + ")";
       const int what = flag < kCombineFlag ? flag : kCombineFlag + (flag - kCombineFlag) % 2;
+      // A missing ack is also what two sends of one Communicator in flight look like (the second waits for the
+      // first's receive, queued behind it on the stream).
+      const bool ack = what == kDispatchAck || what == kCombineAck;
       return "jax_moe cuda: rank " + std::to_string(detail % kWaitStride) + " did not send " + kWhat[what] +
-             (flag >= kCombineFlag + 2 ? " (gradient channel)" : "") +
-             " within the timeout; this Communicator's results are incomplete from then on and every later call "
-             "fails: build a new Communicator";
+             (flag >= kCombineFlag + 2 ? " (gradient channel)" : "") + " within the timeout" +
+             (ack ? " (or two sends of this Communicator were in flight: it allows one dispatch and one combine at "
+                    "a time; use one Communicator per micro-batch)"
+                  : "") +
+             "; this Communicator's results are incomplete from then on and every later call fails: build a new "
+             "Communicator";
     }
     case kBadPeerData:
       return "jax_moe cuda: rank " + std::to_string(detail) +
