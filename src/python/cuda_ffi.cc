@@ -6,8 +6,10 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include "ffi/cuda/device_error.h"
 #include "ffi/cuda/group.h"
 #include "ffi/cuda/handlers.h"
+#include "ffi/cuda/peer_bandwidth.h"
 #include "python/registry.h"
 
 namespace nb = nanobind;

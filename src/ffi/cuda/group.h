@@ -49,18 +49,10 @@ void DestroyGroup(int64_t id);
 
 // The handlers' view. Null when unknown; the shared_ptr keeps the group alive during a launch.
 std::shared_ptr<const DeviceGroup> FindDevice(int64_t id, int ordinal);
-// Reads and clears the device's error word: empty when no error was raised since the last call. A timeout stays
-// set (the group is unusable after one), so it is reported again by every later call.
-std::string TakeError(const DeviceGroup& dev);
-// The timeout that ended this device's group, if any (for the send halves; does not clear anything).
-std::string StickyError(const DeviceGroup& dev);
-
 // The device-side trace ([kTraceRing][kHalves][kTracePoints] %globaltimer ns; zeros unless JAX_MOE_CUDA_TRACE=1
 // when the group was made). Synchronous: for benchmarks and diagnostics only.
 std::vector<unsigned long long> ReadTrace(int64_t id, int ordinal);
 // Bytes of one device's buffer for this shape.
 size_t BufferBytes(const MoeShape& shape);
-// Measured cudaMemcpyPeerAsync bandwidth (bytes / s) from device src to device dst.
-double PeerCopyBandwidth(int src, int dst, size_t bytes, int iters);
 
 }  // namespace jax_moe::cuda

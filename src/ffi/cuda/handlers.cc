@@ -11,6 +11,7 @@
 
 #include <string>
 
+#include "ffi/cuda/device_error.h"
 #include "ffi/cuda/group.h"
 #include "kernels/moe_kernels.h"
 #include "xla/ffi/api/ffi.h"
