@@ -104,7 +104,10 @@ struct KernelArgs {
   MoeLayout lay;
   uint8_t* base = nullptr;          // this device's buffer
   unsigned long long* error = nullptr;  // host-mapped: ErrorKind << 32 | uint32 detail, one word so the host never
-                                        // sees a kind without its detail (first writer wins)
+                                        // sees a kind without its detail (first writer wins; the host takes it)
+  unsigned long long* timeout = nullptr;  // host-mapped, same encoding: the first timeout. Only the device writes it
+                                          // and nobody clears it (host and device atomics on mapped memory are not
+                                          // atomic with each other on PCIe hosts), so a timeout is never lost.
   long long timeout_ns = 0;         // bound of every wait on a peer
   int num_sms = 1;
   int trace = 0;                    // record the device-side trace (see kTraceRing)

@@ -26,10 +26,12 @@ __device__ __forceinline__ LocalSync* Local(const KernelArgs& a) {
   return reinterpret_cast<LocalSync*>(a.base + a.lay.local);
 }
 
-// First error wins; the host reads the word (mapped memory) at the next recv half.
+// First error wins; the host reads the word (mapped memory) at the next recv half. A timeout also goes to the
+// timeout word, which is never cleared: it ends the Communicator.
 __device__ __forceinline__ void RaiseError(const KernelArgs& a, int kind, int detail) {
   const unsigned long long word = (static_cast<unsigned long long>(kind) << 32) | static_cast<unsigned>(detail);
   atomicCAS_system(a.error, 0ull, word);
+  if (kind == kTimeout) atomicCAS_system(a.timeout, 0ull, word);
 }
 
 // Spins until *flag >= want; on timeout raises kTimeout (detail = which) and returns false instead of hanging.

@@ -309,20 +309,35 @@ def test_concurrent_submitters_and_waiters(pair):
             assert np.array_equal(dst[off:off + chunk], src[t * chunk:(t + 1) * chunk])
 
 
+_STALE_SHM = """
+import os
+from jax_moe import fabric
+
+pid = os.getpid()
+# shm's default region names: <pid>:<uid>:<endpoint index>, the index counting from 0 in a fresh process.
+stale = [f"/dev/shm/{pid}:{os.getuid()}:{i}" for i in range(2)]
+made = [p for p in stale if not os.path.exists(p)]
+try:
+    for p in made:
+        with open(p, "wb") as f:
+            f.truncate(16 << 20)
+    e = fabric.TransferEngine("shm", 2)
+    assert f"fi_shm://{pid}:".encode() not in e.address(), e.address()
+    e.close()
+finally:
+    for p in made:
+        os.unlink(p)
+print("opened")
+"""
+
+
 @pytest.mark.skipif("shm" not in AVAILABLE, reason="libfabric shm provider not available")
 def test_shm_endpoint_opens_beside_a_stale_region_with_our_pid():
-    """A process killed before closing its shm endpoint leaves /dev/shm/<pid>:0:0; a later process given the same pid
-    must still open its endpoints (the default names would clash: fi_enable EBUSY, seen in CI)."""
-    import os
+    """A process killed before closing its shm endpoint leaves /dev/shm/<pid>:...; a later process given the same pid
+    must still open its endpoints (with shm's default names fi_enable failed with EBUSY, seen in CI). Run in a fresh
+    process, whose endpoint indices start at 0 as a reused pid's would."""
+    import subprocess
+    import sys
 
-    stale = [f"/dev/shm/{os.getpid()}:0:{i}" for i in range(2)]
-    made = [p for p in stale if not os.path.exists(p)]
-    try:
-        for p in made:
-            with open(p, "wb") as f:
-                f.truncate(16 << 20)
-        e = fabric.TransferEngine("shm", 2)
-        e.close()
-    finally:
-        for p in made:
-            os.unlink(p)
+    p = subprocess.run([sys.executable, "-c", _STALE_SHM], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "opened" in p.stdout, p.stdout + p.stderr

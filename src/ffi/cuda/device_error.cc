@@ -47,18 +47,20 @@ std::string ErrorMessage(unsigned long long word) {
 }  // namespace
 
 std::string TakeError(const DeviceGroup& dev) {
-  // One 64-bit word (kind << 32 | detail): taken and cleared atomically, so a kind is never read without its detail
-  // and an error raised meanwhile is not lost. A timeout is not cleared: after it the peers' epochs are out of step
+  // The error word is taken and cleared atomically (kind and detail together; an error raised meanwhile stays for
+  // the next call). A timeout outranks it and is reported every time: after one, the peers' epochs are out of step
   // with this device's, so every later call must fail rather than return stale rows.
-  unsigned long long word = __atomic_load_n(dev.host_error, __ATOMIC_SEQ_CST);
-  if (static_cast<int>(word >> 32) != kTimeout) word = __atomic_exchange_n(dev.host_error, 0ull, __ATOMIC_SEQ_CST);
-  if (static_cast<int>(word >> 32) == kTimeout) __atomic_store_n(dev.host_error, word, __ATOMIC_SEQ_CST);
-  return ErrorMessage(word);
+  const unsigned long long word = __atomic_exchange_n(dev.host_error, 0ull, __ATOMIC_SEQ_CST);
+  const std::string sticky = StickyError(dev);
+  return sticky.empty() ? ErrorMessage(word) : sticky;
 }
 
 std::string StickyError(const DeviceGroup& dev) {
-  const unsigned long long word = __atomic_load_n(dev.host_error, __ATOMIC_SEQ_CST);
-  return static_cast<int>(word >> 32) == kTimeout ? ErrorMessage(word) : std::string();
+  for (const unsigned long long* timeout : dev.group_timeouts) {
+    const unsigned long long word = __atomic_load_n(timeout, __ATOMIC_SEQ_CST);
+    if (word != 0) return ErrorMessage(word);
+  }
+  return "";
 }
 
 }  // namespace jax_moe::cuda

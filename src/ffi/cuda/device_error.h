@@ -6,10 +6,10 @@
 
 namespace jax_moe::cuda {
 
-// Reads and clears the device's error word: empty when no error was raised since the last call. A timeout stays
-// set (the group is unusable after one), so it is reported again by every later call.
+// Reads and clears the device's error word: empty when no error was raised since the last call. A timeout (on any
+// local device of the group) is reported instead, by this and every later call: the group is unusable after one.
 std::string TakeError(const DeviceGroup& dev);
-// The timeout that ended this device's group, if any (for the send halves; does not clear anything).
+// The timeout that ended the group on any local device, if any; clears nothing.
 std::string StickyError(const DeviceGroup& dev);
 
 }  // namespace jax_moe::cuda

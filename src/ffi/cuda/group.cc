@@ -90,17 +90,24 @@ void CreateGroup(int64_t id, const MoeShape& shape, const std::vector<std::pair<
     Check(cudaMalloc(&base, a.lay.total), "cudaMalloc");
     a.base = static_cast<uint8_t*>(base);
     Check(cudaMemset(base, 0, a.lay.total), "cudaMemset");
-    void* host = nullptr;
-    Check(cudaHostAlloc(&host, sizeof(unsigned long long), cudaHostAllocMapped | cudaHostAllocPortable),
+    void* host = nullptr;  // [0] error word, [1] timeout word
+    Check(cudaHostAlloc(&host, 2 * sizeof(unsigned long long), cudaHostAllocMapped | cudaHostAllocPortable),
           "cudaHostAlloc");
     dev->host_error = static_cast<unsigned long long*>(host);
-    std::memset(host, 0, sizeof(unsigned long long));
+    dev->host_timeout = dev->host_error + 1;
+    std::memset(host, 0, 2 * sizeof(unsigned long long));
     void* mapped = nullptr;
     Check(cudaHostGetDevicePointer(&mapped, host, 0), "cudaHostGetDevicePointer");
     a.error = static_cast<unsigned long long*>(mapped);
+    a.timeout = a.error + 1;
     Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     group[ordinal] = std::move(dev);
   }
+  // A timeout on one device ends the group on every device of this process (the others would otherwise launch
+  // kernels that wait the full timeout for a device that launches nothing).
+  std::vector<const unsigned long long*> timeouts;
+  for (const auto& [ordinal, dev] : group) timeouts.push_back(dev->host_timeout);
+  for (auto& [ordinal, dev] : group) dev->group_timeouts = timeouts;
   std::lock_guard<std::mutex> lock(RegistryMutex());
   Require(Registry().count(id) == 0, "jax_moe cuda: group " + std::to_string(id) + " exists already");
   Registry()[id] = std::move(group);
@@ -162,24 +169,18 @@ void ConnectGroup(int64_t id, int ordinal, const std::vector<PeerSpec>& peers) {
 
 namespace {
 
-// Waits until nothing of this group runs on `dev` and no peer will write into its buffer again: the peers' last
-// acknowledgements of this device's sends (the only writes a peer makes after this device has received every round
-// it sent) have arrived. Bounded: a peer that is gone or out of step is given up on after a few seconds.
-void Quiesce(const DeviceGroup& dev) {
-  if (cudaSetDevice(dev.ordinal) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
-    cudaGetLastError();
-    return;
-  }
+// Waits until no peer will write into `dev`'s buffer again: the peers' last acknowledgements of this device's sends
+// (the only writes a peer makes after this device has received every round it sent) have arrived. Bounded by
+// `deadline`: a peer that is gone or out of step is given up on (also after a timeout: a late peer may still ack).
+void AwaitPeerAcks(const DeviceGroup& dev, std::chrono::steady_clock::time_point deadline) {
   const KernelArgs& a = dev.args;
   LocalSync local;
-  if (cudaMemcpy(&local, a.base + a.lay.local, sizeof(local), cudaMemcpyDeviceToHost) != cudaSuccess) {
+  std::vector<unsigned long long> flags(size_t(kFlagKinds) * a.s.n);
+  if (cudaSetDevice(dev.ordinal) != cudaSuccess ||
+      cudaMemcpy(&local, a.base + a.lay.local, sizeof(local), cudaMemcpyDeviceToHost) != cudaSuccess) {
     cudaGetLastError();
     return;
   }
-  if (local.timed_out) return;  // a peer already failed to answer: waiting again would only delay the error path
-  std::vector<unsigned long long> flags(size_t(kFlagKinds) * a.s.n);
-  const auto bound = std::chrono::nanoseconds(std::min<long long>(a.timeout_ns, 5'000'000'000LL));
-  const auto deadline = std::chrono::steady_clock::now() + bound;
   for (;;) {
     if (cudaMemcpy(flags.data(), a.base + a.lay.flags, flags.size() * sizeof(flags[0]), cudaMemcpyDeviceToHost) !=
         cudaSuccess) {
@@ -217,7 +218,13 @@ void DestroyGroup(int64_t id) {
   // one device may still write into another's buffer (an acknowledgement at the end of a receive).
   int previous = 0;
   cudaGetDevice(&previous);
-  for (const auto& [ordinal, dev] : doomed) Quiesce(*dev);
+  long long bound_ns = 5'000'000'000LL;  // one bound for the whole group, whatever its number of devices
+  for (const auto& [ordinal, dev] : doomed) {
+    bound_ns = std::min(bound_ns, dev->args.timeout_ns);
+    if (cudaSetDevice(ordinal) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(bound_ns);
+  for (const auto& [ordinal, dev] : doomed) AwaitPeerAcks(*dev, deadline);
   cudaSetDevice(previous);
   doomed.clear();
 }
