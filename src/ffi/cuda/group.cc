@@ -94,7 +94,6 @@ void CreateGroup(int64_t id, const MoeShape& shape, const std::vector<std::pair<
     Check(cudaHostAlloc(&host, 2 * sizeof(unsigned long long), cudaHostAllocMapped | cudaHostAllocPortable),
           "cudaHostAlloc");
     dev->host_error = static_cast<unsigned long long*>(host);
-    dev->host_timeout = dev->host_error + 1;
     std::memset(host, 0, 2 * sizeof(unsigned long long));
     void* mapped = nullptr;
     Check(cudaHostGetDevicePointer(&mapped, host, 0), "cudaHostGetDevicePointer");
@@ -106,7 +105,7 @@ void CreateGroup(int64_t id, const MoeShape& shape, const std::vector<std::pair<
   // A timeout on one device ends the group on every device of this process (the others would otherwise launch
   // kernels that wait the full timeout for a device that launches nothing).
   std::vector<const unsigned long long*> timeouts;
-  for (const auto& [ordinal, dev] : group) timeouts.push_back(dev->host_timeout);
+  for (const auto& [ordinal, dev] : group) timeouts.push_back(dev->host_error + 1);
   for (auto& [ordinal, dev] : group) dev->group_timeouts = timeouts;
   std::lock_guard<std::mutex> lock(RegistryMutex());
   Require(Registry().count(id) == 0, "jax_moe cuda: group " + std::to_string(id) + " exists already");

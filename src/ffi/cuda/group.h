@@ -32,8 +32,7 @@ struct DeviceGroup {
 
   int ordinal = -1;
   KernelArgs args;                  // args.base, args.error: this device's buffer and error word
-  unsigned long long* host_error = nullptr;    // host view of args.error (host_error[1] is the timeout word)
-  unsigned long long* host_timeout = nullptr;  // host view of args.timeout
+  unsigned long long* host_error = nullptr;  // host view of args.error; host_error[1] is that of args.timeout
   std::vector<const unsigned long long*> group_timeouts;  // the timeout words of every local device of the group
   std::vector<void*> ipc_mapped;    // peers' buffers opened through IPC (closed on destruction)
   bool connected = false;
