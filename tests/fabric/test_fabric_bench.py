@@ -1,0 +1,23 @@
+"""`python -m jax_moe.bench fabric` runs end to end (a few rounds; its numbers are recorded in docs/benchmarks.md)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from fabric_mp import needs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@needs("tcp")
+def test_fabric_bench_tcp(tmp_path):
+    out = tmp_path / "fabric.json"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "jax_moe.bench", "fabric", "--providers", "tcp", "--peers", "2",
+                        "--sizes", "4096", "--warmup", "2", "--iters", "5", "--json", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["tcp"]
+    assert row["size"] == 4096 and row["rounds"] == 5 and 0 < row["p50_us"] <= row["p99_us"]
