@@ -30,6 +30,11 @@ constexpr int kWaitStride = 1024;
 // Error codes in the host-mapped error word (reported by the next recv half's handler).
 // kBadPeerData: a peer's counts or token lists did not fit this buffer (detail = that rank); its data was dropped.
 enum ErrorKind { kNoError = 0, kBadExpertId = 1, kTimeout = 2, kBadPeerData = 3 };
+// An error is ErrorKind << 32 | uint32 detail. The published error word adds its number (1..kErrorSeqMax, wrapping)
+// above bit kErrorSeqShift; the host acknowledges a number by writing it into the ack word (see KernelArgs).
+constexpr int kErrorSeqShift = 40;
+constexpr unsigned long long kErrorSeqMax = (1ull << (64 - kErrorSeqShift)) - 1;
+constexpr unsigned long long kErrorBody = (1ull << kErrorSeqShift) - 1;
 
 // Device-side trace (JAX_MOE_CUDA_TRACE=1, for the benchmark): per half and epoch (ring of kTraceRing), the
 // %globaltimer at block 0's start, when block 0's waits on peers were over, when block 0's work was done, and when
@@ -77,6 +82,8 @@ struct LocalSync {
   unsigned long long epoch[kHalves];  // completed calls of each half
   unsigned int done[kHalves];         // blocks finished in the running launch of each half
   int timed_out;                      // a wait timed out: later waits give up at once (device copy of the error)
+  unsigned int error_seq;             // number of the last error published to the host (0: none yet)
+  unsigned long long error;           // the running launch's first error (kind << 32 | detail), published at its end
 };
 
 inline size_t AlignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
@@ -103,11 +110,14 @@ struct KernelArgs {
   MoeShape s;
   MoeLayout lay;
   uint8_t* base = nullptr;          // this device's buffer
-  unsigned long long* error = nullptr;  // host-mapped: ErrorKind << 32 | uint32 detail, one word so the host never
-                                        // sees a kind without its detail (first writer wins; the host takes it)
-  unsigned long long* timeout = nullptr;  // host-mapped, same encoding: the first timeout. Only the device writes it
-                                          // and nobody clears it (host and device atomics on mapped memory are not
-                                          // atomic with each other on PCIe hosts), so a timeout is never lost.
+  // Host-mapped words. Each has one writer, since host and device atomics on mapped memory are not atomic with each
+  // other on PCIe hosts: `error` (device) holds the last published error with its number, `error_ack` (host) the
+  // number of the last one the host reported. A launch publishes once, at its end, and only when the host has
+  // acknowledged the previous one (first error wins), so one error is reported once.
+  unsigned long long* error = nullptr;
+  const unsigned long long* error_ack = nullptr;
+  unsigned long long* timeout = nullptr;  // host-mapped: the first timeout (kind << 32 | detail). Only the device
+                                          // writes it and nobody clears it, so a timeout is never lost.
   long long timeout_ns = 0;         // bound of every wait on a peer
   int num_sms = 1;
   int trace = 0;                    // record the device-side trace (see kTraceRing)

@@ -26,12 +26,29 @@ __device__ __forceinline__ LocalSync* Local(const KernelArgs& a) {
   return reinterpret_cast<LocalSync*>(a.base + a.lay.local);
 }
 
-// First error wins; the host reads the word (mapped memory) at the next recv half. A timeout also goes to the
-// timeout word, which is never cleared: it ends the Communicator.
+// Records an error of the running launch in device memory (its first error wins); FinishBlock publishes it to the
+// host when the launch ends. Published at each raise, one launch could report twice: the host's handler for the
+// next recv half runs while this launch runs, so it could take the first raise and a later raise (another bad id)
+// would set the word again for the call after. A timeout also goes at once to the timeout word, which only the
+// device writes and nobody clears: it ends the Communicator.
 __device__ __forceinline__ void RaiseError(const KernelArgs& a, int kind, int detail) {
   const unsigned long long word = (static_cast<unsigned long long>(kind) << 32) | static_cast<unsigned>(detail);
-  atomicCAS_system(a.error, 0ull, word);
+  atomicCAS(&Local(a)->error, 0ull, word);
   if (kind == kTimeout) atomicCAS_system(a.timeout, 0ull, word);
+}
+
+// Publishes the ending launch's error, if any, with the next number. Only when the host has acknowledged the previous
+// number: until then that error stands (first error wins) and this one is dropped. The device is the only writer of
+// the error word and the host of the ack word (see KernelArgs). Called by the last block after FinishBlock's fences,
+// so every block's RaiseError is visible.
+__device__ __forceinline__ void PublishError(const KernelArgs& a, LocalSync* ls) {
+  if (*reinterpret_cast<volatile unsigned long long*>(&ls->error) == 0) return;  // the usual case: no error
+  const unsigned long long error = atomicExch(&ls->error, 0ull);
+  const unsigned int seq = ls->error_seq;
+  if (LoadAcquireSys(a.error_ack) != seq) return;
+  const unsigned int next = seq >= kErrorSeqMax ? 1u : seq + 1u;
+  ls->error_seq = next;
+  StoreReleaseSys(a.error, (static_cast<unsigned long long>(next) << kErrorSeqShift) | (error & kErrorBody));
 }
 
 // Spins until *flag >= want; on timeout raises kTimeout (detail = which) and returns false instead of hanging.
@@ -75,7 +92,7 @@ __device__ __forceinline__ void TraceBlock0(const KernelArgs& a, int half, unsig
 
 // Ends a launch: every block's stores are ordered before its arrival (barrier, then one system-scope fence by thread
 // 0, as cooperative groups' grid sync does); the last block to arrive runs `last()` (signals the peers, advances the
-// epoch) and re-arms the block counter for the next launch.
+// epoch), publishes the launch's error and re-arms the block counter for the next launch.
 template <typename Last>
 __device__ __forceinline__ void FinishBlock(const KernelArgs& a, int half, Last last) {
   __syncthreads();
@@ -89,6 +106,7 @@ __device__ __forceinline__ void FinishBlock(const KernelArgs& a, int half, Last 
       __threadfence_system();
       Trace(a, half, ls->epoch[half] + 1, kTraceEnd);
       last(ls);
+      PublishError(a, ls);
     }
   }
 }

@@ -1,4 +1,5 @@
-// The host side of a device's error word (kernels/sync.cuh RaiseError): decoding, taking and the sticky timeout.
+// The host side of a device's error word (kernels/sync.cuh RaiseError, PublishError): decoding, taking (with the ack
+// word) and the sticky timeout.
 #include "ffi/cuda/device_error.h"
 
 #include <cstdint>
@@ -47,12 +48,20 @@ std::string ErrorMessage(unsigned long long word) {
 }  // namespace
 
 std::string TakeError(const DeviceGroup& dev) {
-  // The error word is taken and cleared atomically (kind and detail together; an error raised meanwhile stays for
-  // the next call). A timeout outranks it and is reported every time: after one, the peers' epochs are out of step
-  // with this device's, so every later call must fail rather than return stale rows.
-  const unsigned long long word = __atomic_exchange_n(dev.host_error, 0ull, __ATOMIC_SEQ_CST);
+  // The host never writes the error word (a host exchange racing the device's write is not atomic on PCIe hosts);
+  // it reports a published error whose number it has not acknowledged yet, then acknowledges it, which lets the
+  // device publish the next one. Host threads (XLA's, take_errors) agree on who reports through a CAS on the ack
+  // word, which only the host writes. A timeout outranks it and is reported every time: after one, the peers' epochs
+  // are out of step with this device's, so every later call must fail rather than return stale rows.
+  unsigned long long* ack = dev.host_error + kAckWord;
+  unsigned long long taken = __atomic_load_n(ack, __ATOMIC_ACQUIRE);
+  const unsigned long long word = __atomic_load_n(dev.host_error + kErrorWord, __ATOMIC_ACQUIRE);
+  const unsigned long long seq = word >> kErrorSeqShift;
+  std::string message;
+  if (seq != taken && __atomic_compare_exchange_n(ack, &taken, seq, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+    message = ErrorMessage(word & kErrorBody);
   const std::string sticky = StickyError(dev);
-  return sticky.empty() ? ErrorMessage(word) : sticky;
+  return sticky.empty() ? message : sticky;
 }
 
 std::string StickyError(const DeviceGroup& dev) {

@@ -6,8 +6,9 @@
 
 namespace jax_moe::cuda {
 
-// Reads and clears the device's error word: empty when no error was raised since the last call. A timeout (on any
-// local device of the group) is reported instead, by this and every later call: the group is unusable after one.
+// The device's error published since the last take, once (it is acknowledged, not cleared); empty when none. A
+// timeout (on any local device of the group) is reported instead, by this and every later call: the group is
+// unusable after one.
 std::string TakeError(const DeviceGroup& dev);
 // The timeout that ended the group on any local device, if any; clears nothing.
 std::string StickyError(const DeviceGroup& dev);

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -55,7 +56,6 @@ DeviceGroup::~DeviceGroup() {
   cudaDeviceSynchronize();  // no kernel of this group may still run
   for (void* p : ipc_mapped) cudaIpcCloseMemHandle(p);
   if (args.base) cudaFree(args.base);
-  if (host_error) cudaFreeHost(host_error);
   cudaGetLastError();
   cudaSetDevice(previous);
 }
@@ -72,10 +72,22 @@ void CreateGroup(int64_t id, const MoeShape& shape, const std::vector<std::pair<
   Require(shape.n <= 128, "jax_moe cuda: at most 128 ranks (one thread per peer waits on its flag)");
   Require(int64_t(shape.n) * shape.max_tokens * shape.r < (int64_t(1) << 31),
           "jax_moe cuda: ranks x max_tokens x experts_per_token must fit the int32 route");
+  Require(!devices.empty(), "jax_moe cuda: a group needs a local device");
   const char* trace = std::getenv("JAX_MOE_CUDA_TRACE");
+  std::shared_ptr<unsigned long long> words;  // kHostWords per device, in `devices` order
+  {
+    DeviceScope scope(devices.front().first);
+    void* host = nullptr;
+    Check(cudaHostAlloc(&host, sizeof(unsigned long long) * kHostWords * devices.size(),
+                        cudaHostAllocMapped | cudaHostAllocPortable),
+          "cudaHostAlloc");
+    words.reset(static_cast<unsigned long long*>(host), [](unsigned long long* p) { cudaFreeHost(p); });
+    std::memset(host, 0, sizeof(unsigned long long) * kHostWords * devices.size());
+  }
   Group group;
   for (const auto& [ordinal, rank] : devices) {
     Require(rank >= 0 && rank < shape.n, "jax_moe cuda: rank out of range");
+    Require(group.count(ordinal) == 0, "jax_moe cuda: a device is listed twice");
     DeviceScope scope(ordinal);
     auto dev = std::make_shared<DeviceGroup>();
     dev->ordinal = ordinal;
@@ -90,22 +102,20 @@ void CreateGroup(int64_t id, const MoeShape& shape, const std::vector<std::pair<
     Check(cudaMalloc(&base, a.lay.total), "cudaMalloc");
     a.base = static_cast<uint8_t*>(base);
     Check(cudaMemset(base, 0, a.lay.total), "cudaMemset");
-    void* host = nullptr;  // [0] error word, [1] timeout word
-    Check(cudaHostAlloc(&host, 2 * sizeof(unsigned long long), cudaHostAllocMapped | cudaHostAllocPortable),
-          "cudaHostAlloc");
-    dev->host_error = static_cast<unsigned long long*>(host);
-    std::memset(host, 0, 2 * sizeof(unsigned long long));
+    dev->host_words = words;
+    dev->host_error = words.get() + kHostWords * group.size();
     void* mapped = nullptr;
-    Check(cudaHostGetDevicePointer(&mapped, host, 0), "cudaHostGetDevicePointer");
+    Check(cudaHostGetDevicePointer(&mapped, dev->host_error, 0), "cudaHostGetDevicePointer");
     a.error = static_cast<unsigned long long*>(mapped);
-    a.timeout = a.error + 1;
+    a.timeout = a.error + kTimeoutWord;
+    a.error_ack = a.error + kAckWord;
     Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     group[ordinal] = std::move(dev);
   }
   // A timeout on one device ends the group on every device of this process (the others would otherwise launch
   // kernels that wait the full timeout for a device that launches nothing).
   std::vector<const unsigned long long*> timeouts;
-  for (const auto& [ordinal, dev] : group) timeouts.push_back(dev->host_error + 1);
+  for (const auto& [ordinal, dev] : group) timeouts.push_back(dev->host_error + kTimeoutWord);
   for (auto& [ordinal, dev] : group) dev->group_timeouts = timeouts;
   std::lock_guard<std::mutex> lock(RegistryMutex());
   Require(Registry().count(id) == 0, "jax_moe cuda: group " + std::to_string(id) + " exists already");
@@ -213,8 +223,14 @@ void DestroyGroup(int64_t id) {
     doomed = std::move(g->second);
     Registry().erase(g);
   }
-  // Outside the lock. Two phases: every device of the group is quiet before any buffer is freed, since a kernel on
-  // one device may still write into another's buffer (an acknowledgement at the end of a receive).
+  // Outside the lock. A handler that found a device before the group left the registry may still be launching on
+  // it: wait until `doomed` is the only holder of every device (a handler holds its device for one call), so that
+  // nothing is launched after the synchronisation below.
+  for (const auto& [ordinal, dev] : doomed)
+    while (dev.use_count() > 1) std::this_thread::yield();
+  std::atomic_thread_fence(std::memory_order_acquire);
+  // Two phases: every device of the group is quiet before any buffer is freed, since a kernel on one device may
+  // still write into another's buffer (an acknowledgement at the end of a receive).
   int previous = 0;
   cudaGetDevice(&previous);
   long long bound_ns = 5'000'000'000LL;  // one bound for the whole group, whatever its number of devices

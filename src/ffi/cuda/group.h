@@ -23,6 +23,10 @@ struct PeerSpec {
   std::string ipc;    // kIpc: the peer's exported cudaIpcMemHandle_t bytes
 };
 
+// A device's host-mapped words, host_error[kErrorWord ...]: args.error, args.timeout (both written by the device
+// only) and args.error_ack (written by the host only).
+enum HostWord { kErrorWord = 0, kTimeoutWord = 1, kAckWord = 2, kHostWords = 4 };
+
 // One device's membership in one group. Owns its CUDA allocations.
 struct DeviceGroup {
   DeviceGroup() = default;
@@ -32,7 +36,10 @@ struct DeviceGroup {
 
   int ordinal = -1;
   KernelArgs args;                  // args.base, args.error: this device's buffer and error word
-  unsigned long long* host_error = nullptr;  // host view of args.error; host_error[1] is that of args.timeout
+  unsigned long long* host_error = nullptr;  // host view of this device's kHostWords words (see HostWord)
+  // The mapped words of every local device of the group, shared: a handler holding one device reads the others'
+  // timeout words (group_timeouts), so they are freed with the last device, not the first.
+  std::shared_ptr<unsigned long long> host_words;
   std::vector<const unsigned long long*> group_timeouts;  // the timeout words of every local device of the group
   std::vector<void*> ipc_mapped;    // peers' buffers opened through IPC (closed on destruction)
   bool connected = false;
