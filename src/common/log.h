@@ -1,6 +1,9 @@
 // Minimal leveled logging to stderr. Level from JAX_MOE_LOG (error|warn|info|debug; default warn).
+// printf-style (see format.h for why there are no iostreams).
 #pragma once
-#include <sstream>
+#include <string>
+
+#include "common/format.h"
 
 namespace jax_moe {
 
@@ -11,11 +14,8 @@ void LogWrite(LogLevel level, const char* file, int line, const std::string& mes
 
 }  // namespace jax_moe
 
-#define JAX_MOE_LOG(level, expr)                                                        \
-  do {                                                                                  \
-    if (::jax_moe::LogEnabled(::jax_moe::LogLevel::level)) {                            \
-      std::ostringstream jax_moe_log_os_;                                               \
-      jax_moe_log_os_ << expr;                                                          \
-      ::jax_moe::LogWrite(::jax_moe::LogLevel::level, __FILE__, __LINE__, jax_moe_log_os_.str()); \
-    }                                                                                   \
+#define JAX_MOE_LOG(level, ...)                                                                  \
+  do {                                                                                           \
+    if (::jax_moe::LogEnabled(::jax_moe::LogLevel::level))                                       \
+      ::jax_moe::LogWrite(::jax_moe::LogLevel::level, __FILE__, __LINE__, ::jax_moe::Format(__VA_ARGS__)); \
   } while (0)

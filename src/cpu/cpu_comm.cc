@@ -1,5 +1,7 @@
 #include "cpu/cpu_comm.h"
 
+#include "common/format.h"
+
 #include <algorithm>
 #include <chrono>
 #include <map>
@@ -256,7 +258,7 @@ void CpuComm::Receive(Rank& me, DirectionOf dir, const int32_t* ticket, const ch
         Arrived(me, dir, round, &missing);
         Throw(ErrorCode::kTimeout,
               std::string(d.name) + " on rank " + std::to_string(me.info.rank) + ": no data from ranks " +
-                  RankList(missing) + " within " + std::to_string(options_.timeout_s) + " s (round " +
+                  RankList(missing) + " within " + Format("%g", options_.timeout_s) + " s (round " +
                   std::to_string(round) + "; more than " + std::to_string(d.lanes) +
                   " rounds of one Communicator in flight also stall: one Communicator per layer keeps them few)");
       }

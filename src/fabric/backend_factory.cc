@@ -46,7 +46,7 @@ std::unique_ptr<Backend> OpenBackend(const std::string& provider, int num_nics) 
     try {
       return OpenNamed(name, num_nics);
     } catch (const Error& e) {
-      JAX_MOE_LOG(kInfo, "provider auto: " << name << " unavailable: " << e.what());
+      JAX_MOE_LOG(kInfo, "provider auto: %s unavailable: %s", std::string(name).c_str(), e.what());
       tried += std::string(tried.empty() ? "" : "; ") + e.what();
     }
   }

@@ -8,7 +8,6 @@
 #include <chrono>
 #include <random>
 #include <set>
-#include <sstream>
 
 #include "common/deadline.h"
 #include "common/error.h"
@@ -39,12 +38,7 @@ uint64_t MakeNonce() {
   return v == 0 ? 1 : v;
 }
 
-std::string FormatSeconds(double s) {
-  std::ostringstream os;
-  os.precision(3);
-  os << s << " s";
-  return os.str();
-}
+std::string FormatSeconds(double s) { return Format("%.3g s", s); }
 
 }  // namespace
 
@@ -255,11 +249,8 @@ std::string EngineCore::CheckOwnDescriptor(const std::string& bytes) const {
     const RegionDescriptor& mine = kv.second.descriptor;
     if (mine.base == d.base && mine.size == d.size && mine.flags == d.flags && mine.keys == d.keys) return "";
   }
-  return "no live registered region matches (base 0x" + [&] {
-    std::ostringstream os;
-    os << std::hex << d.base;
-    return os.str();
-  }() + ", " + std::to_string(d.size) + " bytes)";
+  return Format("no live registered region matches (base 0x%llx, %llu bytes)",
+                static_cast<unsigned long long>(d.base), static_cast<unsigned long long>(d.size));
 }
 
 void EngineCore::VerifyDescriptors(const std::vector<uint32_t>& peers, const std::vector<RegionDescriptor>& regions) {
@@ -384,7 +375,7 @@ void EngineCore::OnMessage(int nic, const std::string& bytes) {
     Require(addr.nonce == h.sender_nonce, "handshake: sender nonce does not match its address");
     Require(addr.provider == backend_->provider(), "handshake: provider mismatch");
   } catch (const Error& e) {
-    JAX_MOE_LOG(kWarn, "dropping control message on NIC " << nic << ": " << e.what());
+    JAX_MOE_LOG(kWarn, "dropping control message on NIC %d: %s", int(nic), e.what());
     return;
   }
   PeerState* peer = nullptr;
@@ -398,7 +389,7 @@ void EngineCore::OnMessage(int nic, const std::string& bytes) {
       backend_->AcceptConnectBlob(peer->id, h.blob);
       peer->ready = true;
     } catch (const Error& e) {
-      JAX_MOE_LOG(kWarn, "handshake from " << backend_->FormatAddress(0, addr.nics[0]) << " failed: " << e.what());
+      JAX_MOE_LOG(kWarn, "handshake from %s failed: %s", backend_->FormatAddress(0, addr.nics[0]).c_str(), e.what());
       return;
     }
   }
@@ -413,7 +404,7 @@ void EngineCore::FailPeer(uint32_t peer, const std::string& why) {
     PeerState& p = *peers_[peer];
     if (!p.failed.exchange(true)) {
       p.failure = why;
-      JAX_MOE_LOG(kWarn, p.label << " failed: " << why);
+      JAX_MOE_LOG(kWarn, "%s failed: %s", p.label.c_str(), std::string(why).c_str());
     }
   }
   peers_cv_.notify_all();
@@ -860,7 +851,7 @@ void EngineCore::OnCompletion(int nic, const Completion& c) {
       break;
     case Completion::kError:
       if (op == nullptr) {
-        JAX_MOE_LOG(kWarn, "completion error on NIC " << nic << ": " << c.error);
+        JAX_MOE_LOG(kWarn, "completion error on NIC %d: %s", int(nic), std::string(c.error).c_str());
       } else if (op->kind == OpContext::kWrite) {
         FailPeer(op->peer, c.error);
         WriteDone(op, false);
@@ -868,7 +859,7 @@ void EngineCore::OnCompletion(int nic, const Completion& c) {
         FailPeer(op->peer, c.error);
         FreeOp(op);
       } else {
-        JAX_MOE_LOG(kWarn, "receive error on NIC " << nic << ": " << c.error);
+        JAX_MOE_LOG(kWarn, "receive error on NIC %d: %s", int(nic), std::string(c.error).c_str());
         if (!stop_) PostRecvBuffer(nic, op);
       }
       break;
@@ -899,12 +890,12 @@ void EngineCore::ProgressLoop() {
     CPU_ZERO(&set);
     CPU_SET(options_.progress_cpu, &set);
     int rc = pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-    if (rc != 0) JAX_MOE_LOG(kWarn, "pinning the progress thread to CPU " << options_.progress_cpu << " failed: " << rc);
+    if (rc != 0) JAX_MOE_LOG(kWarn, "pinning the progress thread to CPU %d failed: %d", int(options_.progress_cpu), int(rc));
   }
   try {
     for (size_t i = 0; i < kRecvBuffers; ++i) PostRecvBuffer(0, NewOp(OpContext::kRecv, 0, 0));
   } catch (const Error& e) {
-    JAX_MOE_LOG(kError, "posting handshake receives failed: " << e.what());
+    JAX_MOE_LOG(kError, "posting handshake receives failed: %s", e.what());
   }
   // Idle policy. tcp/shm progress is manual (data only moves while we poll), so we spin while there
   // is something to post or something happened in the last kHotWindow. Writes in flight or threads
@@ -923,7 +914,7 @@ void EngineCore::ProgressLoop() {
       work |= PollAll();
       if (!hello_resend_.empty()) ResendHellos();
     } catch (const std::exception& e) {
-      JAX_MOE_LOG(kError, "progress thread: " << e.what());
+      JAX_MOE_LOG(kError, "progress thread: %s", e.what());
     }
     if (work) {
       idle = 0;

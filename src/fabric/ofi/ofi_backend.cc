@@ -106,8 +106,8 @@ class OfiBackend final : public Backend {
     } else {
       imm_mode_ = ImmMode::kPacked;
     }
-    JAX_MOE_LOG(kInfo, "ofi: provider " << info->fabric_attr->prov_name << ", domain " << info->domain_attr->name
-                                        << ", mr_mode 0x" << std::hex << mr_mode_ << std::dec << ", NICs " << num_nics);
+    JAX_MOE_LOG(kInfo, "ofi: provider %s, domain %s, mr_mode 0x%llx, NICs %d", info->fabric_attr->prov_name,
+                info->domain_attr->name, static_cast<unsigned long long>(mr_mode_), int(num_nics));
   }
 
   ~OfiBackend() override {

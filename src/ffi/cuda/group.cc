@@ -204,8 +204,8 @@ void AwaitPeerAcks(const DeviceGroup& dev, std::chrono::steady_clock::time_point
     }
     if (missing < 0) return;
     if (std::chrono::steady_clock::now() > deadline) {
-      JAX_MOE_LOG(kWarn, "jax_moe cuda: freeing a Communicator's buffer on device "
-                             << dev.ordinal << " although rank " << missing << " never acknowledged its last round");
+      JAX_MOE_LOG(kWarn, "jax_moe cuda: freeing a Communicator's buffer on device %d although rank %d never "
+                  "acknowledged its last round", int(dev.ordinal), int(missing));
       return;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
