@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional
 import jax
 import jax.numpy as jnp
 
-from jax_moe import validate
+from jax_moe import rounds, validate
 from jax_moe.types import CombineHandle, Dispatched, DispatchHandle
 
 if TYPE_CHECKING:
@@ -41,6 +41,7 @@ def dispatch_send(comm: "Communicator", x: jax.Array, topk_idx: jax.Array,
     validate.check_dispatch(comm, "dispatch_send", x, topk_idx, x_scale)
     scale = None if x_scale is None else jax.lax.stop_gradient(x_scale)
     state = comm.backend.dispatch_send(jax.lax.stop_gradient(x), scale, topk_idx)
+    rounds.opened(comm, "dispatch", state, "dispatch_send")
     return DispatchHandle(x, x_scale, topk_idx, state, comm.id)
 
 
@@ -50,6 +51,7 @@ def dispatch_recv(comm: "Communicator", handle: DispatchHandle) -> Dispatched:
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"jax_moe.dispatch_recv: expected the handle from dispatch_send, got {type(handle).__name__}")
     validate.check_comm(comm, "dispatch_recv", handle._comm_id, "handle")
+    rounds.closed(comm, "dispatch", handle._state, "dispatch_recv")
     expert_x, expert_x_scale, counts, route = _dispatch_recv(comm, handle._x, handle._x_scale, handle._topk_idx,
                                                              handle._state)
     return Dispatched(expert_x, expert_x_scale, counts, handle._topk_idx, route, comm.id)
@@ -90,6 +92,7 @@ def combine_send(comm: "Communicator", expert_y: jax.Array, d: Dispatched) -> Co
     """Start returning expert outputs (layout of d.expert_x, combine_dtype) to the tokens' owners."""
     validate.check_expert_y(comm, "combine_send", expert_y, d)
     state = comm.backend.combine_send(jax.lax.stop_gradient(expert_y), d._route, d._topk_idx)
+    rounds.opened(comm, "combine", state, "combine_send")
     return CombineHandle(expert_y, d, state, comm.id)
 
 
@@ -99,6 +102,7 @@ def combine_recv(comm: "Communicator", handle: CombineHandle, topk_weights: jax.
     if not isinstance(handle, CombineHandle):
         raise TypeError(f"jax_moe.combine_recv: expected the handle from combine_send, got {type(handle).__name__}")
     validate.check_comm(comm, "combine_recv", handle._comm_id, "handle")
+    rounds.closed(comm, "combine", handle._state, "combine_recv")
     d = handle._dispatched
     validate.check_weights(comm, "combine_recv", topk_weights, d._topk_idx)
     return _combine_recv(comm, handle._expert_y, topk_weights, d._topk_idx, d._route, handle._state)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from typing import Any, Optional, Sequence, Union
 
 import jax
@@ -13,6 +14,26 @@ from jax_moe.types import CombineHandle, Dispatched, DispatchHandle
 
 _ids = itertools.count(1)
 FABRIC_PROVIDERS = ("auto", "tcp", "shm", "efa", "verbs")
+
+
+def _env_timeout() -> float:
+    raw = os.environ.get("JAX_MOE_TIMEOUT_S")
+    if raw is None:
+        return 60.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"JAX_MOE_TIMEOUT_S={raw!r}: must be a positive number of seconds")
+    return value
+
+
+def _env_provider() -> str:
+    raw = os.environ.get("JAX_MOE_FABRIC_PROVIDER", "auto")
+    if raw not in FABRIC_PROVIDERS:
+        raise ValueError(f"JAX_MOE_FABRIC_PROVIDER={raw!r}: must be one of {FABRIC_PROVIDERS}")
+    return raw
 
 
 def _mesh_platform(mesh: Any) -> str:
@@ -29,7 +50,8 @@ class Communicator:
     Rank r of the N ranks on the axis owns experts [r*L, (r+1)*L), L = num_experts / N. The methods run per rank,
     inside jax.shard_map over `axis_name`.
 
-    timeout_s: how long a native backend waits for a peer before failing (default 60 s, or $JAX_MOE_TIMEOUT_S).
+    timeout_s: how long a native backend ("cpu", "cuda") waits for a peer before failing (default
+      $JAX_MOE_TIMEOUT_S, else 60 s).
     fabric_provider: TransferEngine provider between processes ("auto", "tcp", "shm", "efa", "verbs"; default
       $JAX_MOE_FABRIC_PROVIDER or "auto").
     """
@@ -56,9 +78,13 @@ class Communicator:
         if fabric_provider is not None and fabric_provider not in FABRIC_PROVIDERS:
             raise ValueError(f"Communicator: fabric_provider must be one of {FABRIC_PROVIDERS}, "
                              f"got {fabric_provider!r}")
+        # One bound for every wait of every backend; the environment gives the default.
+        self.timeout_s: float = float(timeout_s) if timeout_s is not None else _env_timeout()
+        self.fabric_provider: str = fabric_provider if fabric_provider is not None else _env_provider()
         self.cfg = cfg
         self.mesh = mesh
         self.axis_name: Union[str, tuple[str, ...]] = axis_name if isinstance(axis_name, str) else axes
+        self.axes: tuple[str, ...] = axes  # the EP axes, always a tuple
         self.num_ranks = math.prod(int(shape[a]) for a in axes)
         if cfg.num_experts % self.num_ranks:
             raise ValueError(f"Communicator: num_experts ({cfg.num_experts}) is not divisible by the "
@@ -68,8 +94,6 @@ class Communicator:
         self.rows_per_peer = cfg.max_tokens * min(cfg.experts_per_token, self.num_local_experts)
         self.id = next(_ids)
         self.platform = _mesh_platform(mesh)
-        self.options = {k: v for k, v in (("timeout_s", timeout_s), ("fabric_provider", fabric_provider))
-                        if v is not None}
         self.backend = backends.resolve(backend, self.platform)(self)
         self._reference_backend: Optional[Any] = None
 

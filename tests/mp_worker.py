@@ -30,6 +30,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 import jax_moe  # noqa: E402
 from helpers import random_routing, random_tokens  # noqa: E402
+from program_shapes import run_all  # noqa: E402
 from test_grad import check_grads, grad_problem, moe_loss_fn  # noqa: E402
 from test_reference import check_roundtrip, roundtrip  # noqa: E402
 
@@ -54,6 +55,7 @@ def main() -> None:
             w = rng.random((n * t, r)).astype(np.float32)
             outs = [gather(o) for o in roundtrip(comm, x, idx, w, scale)]
             check_roundtrip(comm, n, x, idx, w, scale, outs)
+        run_all(comm, rng, 3, fp8, gather=gather, micro=2)  # several rounds in one program, forward and backward
 
     comm = jax_moe.Communicator(jax_moe.MoEConfig(e, r, hidden, t), mesh, "ep", backend=backend)
     problem = grad_problem(rng, n, t, r, e, hidden)

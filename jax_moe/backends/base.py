@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 
 class Backend(abc.ABC):
     name: str = "?"
+    # Rounds of one direction that may be open (sent, not yet received) at once in program order; None: any number
+    # (the backend holds no per-round buffers). jax_moe.rounds refuses programs that open more at trace time.
+    rounds_in_flight: Optional[int] = None
 
     def __init__(self, comm: "Communicator"):
         self.comm = comm

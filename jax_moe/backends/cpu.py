@@ -8,7 +8,6 @@ store) and calls its four halves with jax.ffi.ffi_call.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import weakref
 from typing import TYPE_CHECKING, Optional
@@ -73,6 +72,7 @@ def rank_table(mesh, axis_name) -> list[tuple[int, int, int, int]]:
 
 class CpuBackend(Backend):
     name = "cpu"
+    rounds_in_flight = 4  # the receive lanes of src/cpu (CommOptions::lanes)
 
     @staticmethod
     def unavailable_reason() -> Optional[str]:
@@ -91,8 +91,8 @@ class CpuBackend(Backend):
         _register_targets()
         cfg = comm.cfg
         self.slot = comm.id % (1 << SLOT_BITS)
-        self.timeout_s = float(comm.options.get("timeout_s", os.environ.get("JAX_MOE_TIMEOUT_S", 60.0)))
-        self.provider = str(comm.options.get("fabric_provider", os.environ.get("JAX_MOE_FABRIC_PROVIDER", "auto")))
+        self.timeout_s = comm.timeout_s
+        self.provider = comm.fabric_provider
         self.shape = dict(num_ranks=comm.num_ranks, num_experts=cfg.num_experts, local_experts=comm.num_local_experts,
                           experts_per_token=cfg.experts_per_token, hidden=cfg.hidden, max_tokens=cfg.max_tokens,
                           x_itemsize=cfg.dispatch_dtype.itemsize, num_scales=cfg.num_scales)
@@ -139,7 +139,7 @@ class CpuBackend(Backend):
 
     # --- the four halves ------------------------------------------------------------------------------------------
     def _call(self, half: str, results, *args, **attrs):
-        return ffi_call(_TARGET.format(half), results, *args, comm=np.int64(self.slot), **attrs)
+        return ffi_call(_TARGET.format(half), results, *args, axes=self.comm.axes, comm=np.int64(self.slot), **attrs)
 
     def _send(self, rows, x_scale, topk_idx, per_slot: bool):
         t, r = topk_idx.shape

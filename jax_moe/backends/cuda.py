@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe.backends.base import Backend
+from jax_moe.backends.ffi_call import ffi_call
 
 _registered = False
 _lock = threading.Lock()
@@ -65,11 +66,6 @@ def _target(name: str) -> str:
     return f"jax_moe_cuda_{name}" + ("_graph" if command_buffers() else "")
 
 
-def timeout_s() -> float:
-    """Bound of every wait on a peer inside the kernels (JAX_MOE_CUDA_TIMEOUT_S, default 60 s)."""
-    return float(os.environ.get("JAX_MOE_CUDA_TIMEOUT_S", "60"))
-
-
 def buffer_bytes(cfg, num_ranks: int) -> int:
     """Bytes of the buffer the cuda backend allocates on each GPU of a Communicator with this config."""
     mod, why = _native()
@@ -91,36 +87,6 @@ def timestamp(a: jax.Array, dep: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jax.ffi.ffi_call(_target("timestamp"),
                             (jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct((1,), jnp.uint64)),
                             has_side_effect=True, input_output_aliases={0: 0})(a, dep)
-
-
-def _vma(a) -> frozenset:
-    """The mesh axes `a` varies over inside shard_map (empty outside, or where JAX does not track it)."""
-    aval = jax.typeof(a)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
-    return frozenset(vma or ())
-
-
-def _as_varying(out, axes: frozenset):
-    """Marks FFI results as varying over `axes`.
-
-    jax.ffi.ffi_call gives its results no varying axes, so inside shard_map JAX would take them as replicated over
-    the EP axis, and reverse-mode AD would then psum the cotangents that reach them across ranks (wrong gradients
-    with more than one rank). The results are per rank: say so. pcast's transpose is never taken here, since the
-    halves sit inside the custom_vjp of jax_moe.api.
-    """
-    missing = tuple(sorted(ax for ax in axes if ax not in _vma(out)))
-    if not missing:
-        return out
-    try:
-        if hasattr(jax.lax, "pcast"):
-            return jax.lax.pcast(out, missing, to="varying")
-        if hasattr(jax.lax, "pvary"):  # jax < 0.10
-            return jax.lax.pvary(out, missing)
-    except (ValueError, TypeError, NotImplementedError):  # already varying where JAX tracks it differently
-        pass
-    return out
 
 
 def _kv_client():
@@ -151,6 +117,7 @@ class CombineState:
 
 class CudaBackend(Backend):
     name = "cuda"
+    rounds_in_flight = 1  # one buffer per direction and channel: a send waits (on the stream) for the last receive
     # The combine inside dispatch's gradient: "cuda" (channel 1 of the kernels) or "reference" (the "xla" backend's
     # per-slot path). JAX_MOE_CUDA_BACKWARD_COMBINE overrides.
     backward_combine = os.environ.get("JAX_MOE_CUDA_BACKWARD_COMBINE", "cuda")
@@ -208,7 +175,7 @@ class CudaBackend(Backend):
         local = [(int(d.local_hardware_id), r) for row in table for r, d in enumerate(row) if d.process_index == me]
         mod.create_group(gid, self._n, self._l, cfg.experts_per_token, cfg.max_tokens, cfg.hidden,
                          np.dtype(cfg.dispatch_dtype).itemsize, cfg.num_scales, np.dtype(cfg.combine_dtype).itemsize,
-                         local, timeout_s())
+                         local, self.comm.timeout_s)
         remote = any(d.process_index != me for row in table for d in row)
         host = socket.gethostname()
         kv = _kv_client() if remote else None
@@ -221,7 +188,7 @@ class CudaBackend(Backend):
                     if d.process_index == me:
                         blob = host.encode() + b"\0" + mod.export_buffer(gid, int(d.local_hardware_id))
                         kv.key_value_set_bytes(f"{prefix}/{d.id}", blob, allow_overwrite=True)
-        wait_ms = int(max(timeout_s(), 10) * 1000)
+        wait_ms = int(max(self.comm.timeout_s, 10) * 1000)
         for row in table:
             for r, d in enumerate(row):
                 if d.process_index != me:
@@ -251,14 +218,7 @@ class CudaBackend(Backend):
 
     # --- the four halves ------------------------------------------------------------------------------------------
     def _call(self, name, results, *args, **attrs):
-        # Never differentiated itself (the custom_vjp of jax_moe.api supplies gradients): no tangents in.
-        args = tuple(jax.lax.stop_gradient(a) for a in args)
-        outs = jax.ffi.ffi_call(name, results, has_side_effect=True)(*args, group=np.int64(self._group), **attrs)
-        axes = frozenset((self.comm.axis_name,) if isinstance(self.comm.axis_name, str) else self.comm.axis_name)
-        axes = axes.union(*[_vma(a) for a in args])
-        if isinstance(outs, (tuple, list)):
-            return type(outs)(_as_varying(o, axes) for o in outs)
-        return _as_varying(outs, axes)
+        return ffi_call(name, results, *args, axes=self.comm.axes, group=np.int64(self._group), **attrs)
 
     def dispatch_send(self, x, x_scale, topk_idx) -> SendState:
         scale = x_scale if x_scale is not None else jnp.zeros((1, 1), jnp.float32)

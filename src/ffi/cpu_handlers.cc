@@ -60,8 +60,8 @@ ffi::Error Mismatch(const char* what) {
   return ffi::Error::InvalidArgument(std::string("jax_moe: ") + what + " does not match the Communicator's config");
 }
 
-ffi::Error DispatchSend(int32_t device, int64_t slot, bool per_slot, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
-                        ffi::Buffer<ffi::S32> topk_idx, ffi::Result<ffi::Buffer<ffi::S32>> slot_out,
+ffi::Error DispatchSend(int32_t device, int64_t slot, bool per_slot, ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
+                        ffi::Buffer<ffi::S32> topk_idx, ffi::Result<ffi::Token>, ffi::Result<ffi::Buffer<ffi::S32>> slot_out,
                         ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
   auto comm = cpu::FindComm(uint32_t(slot));
   const int64_t t = topk_idx.dimensions().size() == 2 ? topk_idx.dimensions()[0] : -1;
@@ -86,8 +86,8 @@ ffi::Error DispatchSend(int32_t device, int64_t slot, bool per_slot, ffi::AnyBuf
   });
 }
 
-ffi::Error DispatchRecv(int32_t device, int64_t slot, ffi::Buffer<ffi::S32> ticket,
-                         ffi::Result<ffi::AnyBuffer> expert_x, ffi::Result<ffi::AnyBuffer> expert_x_scale,
+ffi::Error DispatchRecv(int32_t device, int64_t slot, ffi::Token, ffi::Buffer<ffi::S32> ticket,
+                         ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> expert_x, ffi::Result<ffi::AnyBuffer> expert_x_scale,
                          ffi::Result<ffi::Buffer<ffi::S32>> counts, ffi::Result<ffi::Buffer<ffi::S32>> dest) {
   auto comm = cpu::FindComm(uint32_t(slot));
   if (comm) {
@@ -107,8 +107,8 @@ ffi::Error DispatchRecv(int32_t device, int64_t slot, ffi::Buffer<ffi::S32> tick
   });
 }
 
-ffi::Error CombineSend(int32_t device, int64_t slot, ffi::AnyBuffer expert_y, ffi::Buffer<ffi::S32> dest,
-                       ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
+ffi::Error CombineSend(int32_t device, int64_t slot, ffi::Token, ffi::AnyBuffer expert_y, ffi::Buffer<ffi::S32> dest,
+                       ffi::Result<ffi::Token>, ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
   auto comm = cpu::FindComm(uint32_t(slot));
   if (comm) {
     const auto& s = comm->options().shape;
@@ -122,9 +122,9 @@ ffi::Error CombineSend(int32_t device, int64_t slot, ffi::AnyBuffer expert_y, ff
   });
 }
 
-ffi::Error CombineRecv(int32_t device, int64_t slot, bool reduce, ffi::Buffer<ffi::S32> ticket,
+ffi::Error CombineRecv(int32_t device, int64_t slot, bool reduce, ffi::Token, ffi::Buffer<ffi::S32> ticket,
                         ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> slots,
-                        ffi::Result<ffi::AnyBuffer> out) {
+                        ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> out) {
   auto comm = cpu::FindComm(uint32_t(slot));
   const int64_t t = topk_weights.dimensions().size() == 2 ? topk_weights.dimensions()[0] : -1;
   if (comm) {
@@ -153,9 +153,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCpuDispatchSend, h::DispatchSend,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<int64_t>("comm")
                                   .Attr<bool>("per_slot")
+                                  .Arg<ffi::Token>()  // program order (jax_moe/backends/ffi_call.py)
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Token>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
@@ -163,7 +165,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCpuDispatchRecv, h::DispatchRecv,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<int64_t>("comm")
+                                  .Arg<ffi::Token>()  // program order (jax_moe/backends/ffi_call.py)
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Token>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
@@ -173,8 +177,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCpuCombineSend, h::CombineSend,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<int64_t>("comm")
+                                  .Arg<ffi::Token>()  // program order (jax_moe/backends/ffi_call.py)
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Token>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCpuCombineRecv, h::CombineRecv,
@@ -182,7 +188,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCpuCombineRecv, h::CombineRecv,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<int64_t>("comm")
                                   .Attr<bool>("reduce")
+                                  .Arg<ffi::Token>()  // program order (jax_moe/backends/ffi_call.py)
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Token>()
                                   .Ret<ffi::AnyBuffer>());

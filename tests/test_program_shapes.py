@@ -1,0 +1,90 @@
+"""Any number of rounds of one Communicator in one program, in whatever order XLA would schedule them (issue 11):
+loops of 1 to 64 rounds, one-shot and split, forward and backward (gradient accumulation over micro-batches that are
+separate shard_map calls), checked against the oracle; patterns a backend cannot run are refused at trace time."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_moe
+from helpers import backend_mesh, shard
+from program_shapes import run_all
+from test_reference import BACKENDS, ranks_for
+
+
+def make(backend: str, n: int, fp8: bool = False, t: int = 4) -> jax_moe.Communicator:
+    dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    cfg = jax_moe.MoEConfig(4 * n, 2, 128, t, dispatch_dtype=dtype)
+    return jax_moe.Communicator(cfg, backend_mesh(backend, n), "ep", backend=backend, timeout_s=30)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rounds", [1, 5, 16])
+def test_rounds_of_one_communicator_in_one_program(rng, backend, rounds):
+    comm = make(backend, ranks_for(backend, 4))
+    run_all(comm, rng, rounds, fp8=False, micro=5 if rounds == 5 else None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_rounds(rng, backend):
+    run_all(make(backend, ranks_for(backend, 2), fp8=True), rng, 5, fp8=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_64_rounds_and_16_micro_batches(rng, backend):
+    comm = make(backend, ranks_for(backend, 2), t=2)
+    run_all(comm, rng, 64, fp8=False, micro=16)
+
+
+def sends_then_receives(comm, k: int):
+    def body(x, i):
+        handles = [comm.dispatch_send(x, i) for _ in range(k)]
+        return sum(comm.dispatch_recv(h).expert_x.astype(jnp.float32).sum() for h in handles)[None]
+
+    return jax.jit(jax.shard_map(body, mesh=comm.mesh, in_specs=(P("ep"),) * 2, out_specs=P("ep")))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_more_open_rounds_than_buffers_are_refused_at_trace_time(rng, backend):
+    comm = make(backend, ranks_for(backend, 2))
+    limit = comm.backend.rounds_in_flight
+    n, t = comm.num_ranks, comm.cfg.max_tokens
+    x, i = shard(comm.mesh, rng.standard_normal((n * t, 128)).astype(jnp.bfloat16),
+                 np.zeros((n * t, 2), np.int32))
+    if limit is None:
+        assert np.isfinite(np.asarray(sends_then_receives(comm, 6)(x, i))).all()
+        return
+    with pytest.raises(RuntimeError, match=f"holds {limit} at a time.*dispatch_recv on the earlier handle"):
+        sends_then_receives(comm, limit + 1).lower(x, i)
+    # up to the limit it runs, and the Communicator is still good afterwards
+    want = float(np.asarray(sends_then_receives(comm, 1)(x, i)).sum())
+    assert float(np.asarray(sends_then_receives(comm, limit)(x, i)).sum()) == pytest.approx(limit * want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_handle_received_twice_is_refused(rng, backend):
+    comm = make(backend, ranks_for(backend, 2))
+
+    def body(x, i):
+        h = comm.dispatch_send(x, i)
+        return (comm.dispatch_recv(h).expert_x.sum() + comm.dispatch_recv(h).expert_x.sum())[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=comm.mesh, in_specs=(P("ep"),) * 2, out_specs=P("ep")))
+    n, t = comm.num_ranks, comm.cfg.max_tokens
+    x, i = shard(comm.mesh, np.ones((n * t, 128), jnp.bfloat16), np.zeros((n * t, 2), np.int32))
+    with pytest.raises(RuntimeError, match="already received"):
+        f.lower(x, i)
+    run_all(comm, rng, 2, fp8=False)  # the refused trace left nothing behind
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("rounds", [2, 3])
+def test_cuda_two_and_three_rounds(rng, n, fp8, rounds):
+    """The pattern that hung on 2 GPUs: several rounds of one Communicator in one program, one-shot then split."""
+    run_all(make("cuda", n, fp8=fp8), rng, rounds, fp8=fp8, micro=rounds)
