@@ -10,7 +10,6 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -145,5 +144,8 @@ class MoELM(nnx.Module):
 def lm_loss(model: MoELM, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Next-token cross entropy on tokens [B, S+1] plus aux_loss_coef * load-balancing loss."""
     logits, aux = model(tokens[:, :-1])
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    # One-hot instead of a gather of the label's logit: the gather's transpose is a scatter whose output sharding
+    # newer jax (0.11) cannot infer on a mesh with explicit axes; the one-hot product shards like the batch.
+    labels = jax.nn.one_hot(tokens[:, 1:], logits.shape[-1], dtype=logits.dtype)
+    ce = -(labels * jax.nn.log_softmax(logits, axis=-1)).sum(-1).mean()
     return ce + model.cfg.aux_loss_coef * aux, {"ce": ce, "aux": aux}
