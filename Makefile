@@ -6,7 +6,7 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_PKGS := build-essential cmake pkg-config ninja-build libfabric-dev libfabric-bin libibverbs-dev
-PY_DEPS := "jax>=0.8.1" "jaxlib>=0.8.1" numpy flax optax absl-py tqdm matplotlib nanobind scikit-build-core pytest
+PY_DEPS := "jax>=0.10.2" "jaxlib>=0.10.2" numpy flax optax absl-py tqdm matplotlib nanobind scikit-build-core pytest
 PYTEST_ARGS ?=
 
 .PHONY: install system-deps venv build demo train decode test test-gpu bench clean
