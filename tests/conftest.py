@@ -13,6 +13,21 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/oracle.py and tests/helpe
 import pytest  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=os.environ.get("JAX_MOE_SLOW") == "1",
+                     help="also run the tests marked slow (or JAX_MOE_SLOW=1)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow (minutes on a 2-core CI machine) run with --runslow only."""
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow or JAX_MOE_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def rng(request):
     """A fresh seed every run (printed on failure), so the suite keeps exploring new routings."""

@@ -195,10 +195,11 @@ class CudaBackend(Backend):
                     continue
                 peers = []
                 for q, p in enumerate(row):
+                    where = f"process {p.process_index} on host {host}, GPU {p.local_hardware_id}"  # for errors
                     if p is d or p.id == d.id:
-                        peers.append((q, _PEER_SELF, -1, b""))
+                        peers.append((q, _PEER_SELF, -1, b"", where))
                     elif p.process_index == me:
-                        peers.append((q, _PEER_LOCAL, int(p.local_hardware_id), b""))
+                        peers.append((q, _PEER_LOCAL, int(p.local_hardware_id), b"", where))
                     else:
                         blob = kv.blocking_key_value_get_bytes(f"{prefix}/{p.id}", wait_ms)
                         peer_host, handle = blob.split(b"\0", 1)
@@ -206,7 +207,7 @@ class CudaBackend(Backend):
                             raise NotImplementedError(
                                 f"backend 'cuda': rank {q} is on host {peer_host.decode()!r}, not {host!r}; ranks on "
                                 "other nodes (through the host proxy) are not supported yet")
-                        peers.append((q, _PEER_IPC, -1, handle))
+                        peers.append((q, _PEER_IPC, -1, handle, where))
                 mod.connect(gid, int(d.local_hardware_id), peers)
 
     def take_errors(self) -> list[str]:

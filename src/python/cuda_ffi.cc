@@ -74,26 +74,28 @@ void RegisterCuda(nb::module_& m) {
            });
   cuda.def(
       "connect",
-      [](int64_t id, int ordinal, const std::vector<std::tuple<int, int, int, nb::bytes>>& peers) {
+      [](int64_t id, int ordinal, const std::vector<std::tuple<int, int, int, nb::bytes, std::string>>& peers) {
         std::vector<jax_moe::cuda::PeerSpec> specs;
-        for (const auto& [rank, kind, peer_ordinal, ipc] : peers) {
+        for (const auto& [rank, kind, peer_ordinal, ipc, where] : peers) {
           jax_moe::cuda::PeerSpec p;
           p.rank = rank;
           p.kind = static_cast<jax_moe::cuda::PeerKind>(kind);
           p.ordinal = peer_ordinal;
           p.ipc.assign(ipc.c_str(), ipc.size());
+          p.where = where;
           specs.push_back(std::move(p));
         }
         jax_moe::cuda::ConnectGroup(id, ordinal, specs);
       },
-      "peers: (rank, kind 0=self 1=local device 2=ipc, peer ordinal, ipc handle bytes), in rank order.");
+      "peers: (rank, kind 0=self 1=local device 2=ipc, peer ordinal, ipc handle bytes, where the rank runs), in "
+      "rank order.");
   // Without the GIL: teardown waits for the devices (and, bounded, for the peers' last acknowledgements).
   cuda.def("destroy_group", &jax_moe::cuda::DestroyGroup, nb::call_guard<nb::gil_scoped_release>());
   cuda.def(
       "take_error",
       [](int64_t id, int ordinal) {
         auto dev = jax_moe::cuda::FindDevice(id, ordinal);
-        return dev ? jax_moe::cuda::TakeError(*dev) : std::string();
+        return dev ? jax_moe::cuda::TakeError(*dev).message : std::string();
       },
       "Reads and clears a device's error word (what the next recv half would report); '' when clear.");
   cuda.def("read_trace", &jax_moe::cuda::ReadTrace,

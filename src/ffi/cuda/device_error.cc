@@ -10,44 +10,51 @@
 namespace jax_moe::cuda {
 namespace {
 
-std::string ErrorMessage(unsigned long long word) {
+std::string Name(const DeviceGroup& dev, int rank) {
+  if (rank >= 0 && rank < static_cast<int>(dev.names.size())) return dev.names[rank];
+  return "rank " + std::to_string(rank);
+}
+
+DeviceReport Report(const DeviceGroup& dev, unsigned long long word) {
   const int kind = static_cast<int>(word >> 32);
   const int detail = static_cast<int>(static_cast<uint32_t>(word));
   switch (kind) {
     case kNoError:
-      return "";
+      return {};
     case kBadExpertId:
-      return "jax_moe cuda: an earlier dispatch on this device got expert id " + std::to_string(detail) +
-             " in topk_idx, outside [0, num_experts) and not -1 (those slots were masked)";
+      return {DeviceReport::kInvalidArgument,
+              "jax_moe cuda: an earlier dispatch of " + Name(dev, dev.args.s.rank) + " got expert id " +
+                  std::to_string(detail) + " in topk_idx, outside [0, num_experts) and not -1 (those slots were "
+                  "masked)"};
     case kTimeout: {
       static const char* const kWhat[] = {"its dispatched tokens", "its acknowledgement of our dispatch",
                                           "its combined rows", "its acknowledgement of our combine"};
       const int flag = detail / kWaitStride;  // FlagKind; the combine kinds repeat per channel
-      if (flag < 0 || flag >= kFlagKinds) return "jax_moe cuda: a wait timed out (" + std::to_string(detail) + ")";
+      if (flag < 0 || flag >= kFlagKinds)
+        return {DeviceReport::kTimeout, "jax_moe cuda: a wait timed out (" + std::to_string(detail) + ")"};
       const int what = flag < kCombineFlag ? flag : kCombineFlag + (flag - kCombineFlag) % 2;
-      // A missing ack is also what two sends of one Communicator in flight look like (the second waits for the
-      // first's receive, queued behind it on the stream).
-      const bool ack = what == kDispatchAck || what == kCombineAck;
-      return "jax_moe cuda: rank " + std::to_string(detail % kWaitStride) + " did not send " + kWhat[what] +
-             (flag >= kCombineFlag + 2 ? " (gradient channel)" : "") + " within the timeout" +
-             (ack ? " (or two sends of this Communicator were in flight: it allows one dispatch and one combine at "
-                    "a time; use one Communicator per micro-batch)"
-                  : "") +
-             "; this Communicator's results are incomplete from then on and every later call fails: build a new "
-             "Communicator";
+      // Rounds run in program order and a send whose previous round was never received is refused by its handler,
+      // so a missing flag means the peer's program stopped or never made that call.
+      return {DeviceReport::kTimeout,
+              "jax_moe cuda: " + Name(dev, detail % kWaitStride) +
+                  " did not send " + kWhat[what] + (flag >= kCombineFlag + 2 ? " (gradient channel)" : "") +
+                  " within the timeout (its process may have died or stopped calling this Communicator); this "
+                  "Communicator's results are incomplete from then on and every later call fails: build a new "
+                  "Communicator"};
     }
     case kBadPeerData:
-      return "jax_moe cuda: rank " + std::to_string(detail) +
-             " sent token counts or lists that do not fit this Communicator's buffers (its data was dropped); "
-             "results of that call are incomplete";
+      return {DeviceReport::kInternal,
+              "jax_moe cuda: " + Name(dev, detail) +
+                  " sent token counts or lists that do not fit this Communicator's buffers (its data was dropped); "
+                  "results of that call are incomplete"};
     default:
-      return "jax_moe cuda: device error " + std::to_string(kind);
+      return {DeviceReport::kInternal, "jax_moe cuda: device error " + std::to_string(kind)};
   }
 }
 
 }  // namespace
 
-std::string TakeError(const DeviceGroup& dev) {
+DeviceReport TakeError(const DeviceGroup& dev) {
   // The host never writes the error word (a host exchange racing the device's write is not atomic on PCIe hosts);
   // it reports a published error whose number it has not acknowledged yet, then acknowledges it, which lets the
   // device publish the next one. Host threads (XLA's, take_errors) agree on who reports through a CAS on the ack
@@ -57,19 +64,19 @@ std::string TakeError(const DeviceGroup& dev) {
   unsigned long long taken = __atomic_load_n(ack, __ATOMIC_ACQUIRE);
   const unsigned long long word = __atomic_load_n(dev.host_error + kErrorWord, __ATOMIC_ACQUIRE);
   const unsigned long long seq = word >> kErrorSeqShift;
-  std::string message;
+  DeviceReport report;
   if (seq != taken && __atomic_compare_exchange_n(ack, &taken, seq, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-    message = ErrorMessage(word & kErrorBody);
-  const std::string sticky = StickyError(dev);
-  return sticky.empty() ? message : sticky;
+    report = Report(dev, word & kErrorBody);
+  DeviceReport sticky = StickyError(dev);
+  return sticky.empty() ? report : sticky;
 }
 
-std::string StickyError(const DeviceGroup& dev) {
+DeviceReport StickyError(const DeviceGroup& dev) {
   for (const unsigned long long* timeout : dev.group_timeouts) {
     const unsigned long long word = __atomic_load_n(timeout, __ATOMIC_SEQ_CST);
-    if (word != 0) return ErrorMessage(word);
+    if (word != 0) return Report(dev, word);
   }
-  return "";
+  return {};
 }
 
 }  // namespace jax_moe::cuda

@@ -6,11 +6,19 @@
 
 namespace jax_moe::cuda {
 
+// What a handler reports: the message and which kind of error it is (the handlers map kinds to FFI codes, the same
+// as the "cpu" backend's: a bad expert id is INVALID_ARGUMENT, a peer that never answered DEADLINE_EXCEEDED).
+struct DeviceReport {
+  enum Kind { kNone, kInvalidArgument, kTimeout, kInternal } kind = kNone;
+  std::string message;
+  bool empty() const { return kind == kNone; }
+};
+
 // The device's error published since the last take, once (it is acknowledged, not cleared); empty when none. A
 // timeout (on any local device of the group) is reported instead, by this and every later call: the group is
 // unusable after one.
-std::string TakeError(const DeviceGroup& dev);
+DeviceReport TakeError(const DeviceGroup& dev);
 // The timeout that ended the group on any local device, if any; clears nothing.
-std::string StickyError(const DeviceGroup& dev);
+DeviceReport StickyError(const DeviceGroup& dev);
 
 }  // namespace jax_moe::cuda

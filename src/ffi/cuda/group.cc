@@ -136,9 +136,11 @@ void ConnectGroup(int64_t id, int ordinal, const std::vector<PeerSpec>& peers) {
   Require(static_cast<int>(peers.size()) == a.s.n, "jax_moe cuda: need one peer entry per rank");
   DeviceScope scope(ordinal);
   std::vector<uint8_t*> table(a.s.n, nullptr);
+  dev->names.assign(a.s.n, "");
   for (int i = 0; i < a.s.n; ++i) {
     const PeerSpec& p = peers[i];
     Require(p.rank == i, "jax_moe cuda: peers must be listed in rank order");
+    dev->names[i] = "rank " + std::to_string(i) + (p.where.empty() ? "" : " (" + p.where + ")");
     switch (p.kind) {
       case PeerKind::kSelf:
         Require(i == a.s.rank, "jax_moe cuda: 'self' peer at another rank");

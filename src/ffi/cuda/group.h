@@ -3,6 +3,7 @@
 // looked up by the FFI handlers by (group id, device ordinal). Thread-safe: XLA calls each device's handler from its
 // own thread.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -21,7 +22,12 @@ struct PeerSpec {
   PeerKind kind = PeerKind::kSelf;
   int ordinal = -1;   // kLocalDevice: the peer's device ordinal in this process
   std::string ipc;    // kIpc: the peer's exported cudaIpcMemHandle_t bytes
+  std::string where;  // how errors name the rank's place, e.g. "process 1 on host h, GPU 1"
 };
+
+// The round streams of a device: dispatch, and combine per channel. A send whose stream still has a round that was
+// never received would wait (on the stream) for an acknowledgement that never comes.
+constexpr int kRoundStreams = 1 + kCombineChannels;
 
 // A device's host-mapped words, host_error[kErrorWord ...]: args.error, args.timeout (both written by the device
 // only) and args.error_ack (written by the host only).
@@ -42,7 +48,11 @@ struct DeviceGroup {
   std::shared_ptr<unsigned long long> host_words;
   std::vector<const unsigned long long*> group_timeouts;  // the timeout words of every local device of the group
   std::vector<void*> ipc_mapped;    // peers' buffers opened through IPC (closed on destruction)
+  std::vector<std::string> names;   // [N] "rank r (process p on host h, GPU g)", for error messages
   bool connected = false;
+  // Rounds launched and not yet received, per round stream (dispatch, combine channel 0, 1); the handlers of one
+  // device run in program order on one host thread at a time.
+  mutable std::atomic<int64_t> open_rounds[kRoundStreams]{};
 };
 
 // Creates the group `id` on the given local devices ((ordinal, rank) pairs). `shape.rank` is ignored. Throws

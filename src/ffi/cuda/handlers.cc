@@ -26,6 +26,33 @@ ffi::Error Launched(cudaError_t err, const char* what) {
   return ffi::Error::Internal(std::string("jax_moe cuda: launching ") + what + " failed: " + cudaGetErrorString(err));
 }
 
+// The FFI code of a device report: the same codes as the "cpu" backend's for the same errors.
+ffi::Error ToFfi(const DeviceReport& r) {
+  switch (r.kind) {
+    case DeviceReport::kNone:
+      return ffi::Error::Success();
+    case DeviceReport::kInvalidArgument:
+      return ffi::Error::InvalidArgument(r.message);
+    case DeviceReport::kTimeout:
+      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, r.message);
+    default:
+      return ffi::Error::Internal(r.message);
+  }
+}
+
+// A send is refused while its stream holds a round that was never received: its kernel would wait for peers' acks of
+// that round forever (every rank runs the same program, so every rank refuses alike). jax_moe.rounds refuses such
+// programs at trace time; this catches handles that crossed programs (a send in one jitted call, no receive later).
+ffi::Error CheckStreamFree(const DeviceGroup& dev, int stream, const char* op) {
+  if (dev.open_rounds[stream].load(std::memory_order_relaxed) <= 0) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    std::string("jax_moe cuda: ") + op + " on " + dev.names[dev.args.s.rank] +
+                        ": the previous " + (stream == 0 ? "dispatch_send" : "combine_send") +
+                        " of this Communicator was never received (its handle must reach the receive half exactly "
+                        "once); backend 'cuda' holds one round per direction, so this Communicator cannot go on: "
+                        "build a new one");
+}
+
 ffi::Error Device(int64_t group, int32_t ordinal, std::shared_ptr<const DeviceGroup>& dev) {
   dev = FindDevice(group, ordinal);
   if (!dev) {
@@ -34,7 +61,7 @@ ffi::Error Device(int64_t group, int32_t ordinal, std::shared_ptr<const DeviceGr
   }
   if (!dev->connected) return ffi::Error::Internal("jax_moe cuda: group " + std::to_string(group) + " not connected");
   // After a timeout the peers' epochs are out of step with this device's: nothing is launched any more.
-  if (std::string failed = StickyError(*dev); !failed.empty()) return ffi::Error::Internal(failed);
+  if (DeviceReport failed = StickyError(*dev); !failed.empty()) return ToFfi(failed);
   return ffi::Error::Success();
 }
 
@@ -81,10 +108,13 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t group,
   if (idims.size() != 2 || idims[0] != tokens || idims[1] != a.s.r)
     return ffi::Error::InvalidArgument("jax_moe cuda: topk_idx must be [T, experts_per_token]");
   if (auto e = CheckHandle(handle->element_count()); e.failure()) return e;
-  return Launched(LaunchDispatchSend(a, static_cast<int>(tokens), x.untyped_data(),
-                                     has_scale ? x_scale.untyped_data() : nullptr, topk_idx.typed_data(),
-                                     handle->typed_data(), stream),
-                  "dispatch_send");
+  if (auto e = CheckStreamFree(*dev, 0, "dispatch_send"); e.failure()) return e;
+  ffi::Error launched = Launched(LaunchDispatchSend(a, static_cast<int>(tokens), x.untyped_data(),
+                                                    has_scale ? x_scale.untyped_data() : nullptr,
+                                                    topk_idx.typed_data(), handle->typed_data(), stream),
+                                 "dispatch_send");
+  if (launched.success()) dev->open_rounds[0].fetch_add(1, std::memory_order_relaxed);
+  return launched;
 }
 
 ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group, bool has_scale,
@@ -119,14 +149,15 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group,
       return e;
   }
   // Shapes first (a shape error is a caller's bug and launches nothing); then the device's earlier error is taken.
-  const std::string earlier = TakeError(*dev);
+  const DeviceReport earlier = TakeError(*dev);
   ffi::Error launched =
       Launched(LaunchDispatchRecv(a, x.untyped_data(), has_scale ? x_scale.untyped_data() : nullptr,
                                   static_cast<int>(x_tokens), expert_x->untyped_data(),
                                   has_scale ? expert_x_scale->untyped_data() : nullptr, counts->typed_data(),
                                   route->typed_data(), stream),
                "dispatch_recv");
-  return earlier.empty() ? launched : ffi::Error::Internal(earlier);
+  if (launched.success()) dev->open_rounds[0].fetch_sub(1, std::memory_order_relaxed);
+  return earlier.empty() ? std::move(launched) : ToFfi(earlier);
 }
 
 ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t group, int64_t channel, ffi::AnyBuffer expert_y,
@@ -142,9 +173,12 @@ ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t group, 
   if (route.element_count() != size_t(rows + 1)) return ffi::Error::InvalidArgument("jax_moe cuda: bad route");
   if (channel < 0 || channel >= kCombineChannels) return ffi::Error::InvalidArgument("jax_moe cuda: bad channel");
   if (auto e = CheckHandle(handle->element_count()); e.failure()) return e;
-  return Launched(LaunchCombineSend(a, static_cast<int>(channel), expert_y.untyped_data(), route.typed_data(),
-                                    handle->typed_data(), stream),
-                  "combine_send");
+  if (auto e = CheckStreamFree(*dev, 1 + static_cast<int>(channel), "combine_send"); e.failure()) return e;
+  ffi::Error launched = Launched(LaunchCombineSend(a, static_cast<int>(channel), expert_y.untyped_data(),
+                                                   route.typed_data(), handle->typed_data(), stream),
+                                 "combine_send");
+  if (launched.success()) dev->open_rounds[1 + channel].fetch_add(1, std::memory_order_relaxed);
+  return launched;
 }
 
 ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group, int64_t channel,
@@ -168,12 +202,13 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group, 
                          ffi::ByteWidth(expert_y.element_type()), a.s.y_bytes);
       e.failure())
     return e;
-  const std::string earlier = TakeError(*dev);
+  const DeviceReport earlier = TakeError(*dev);
   ffi::Error launched = Launched(LaunchCombineRecv(a, static_cast<int>(channel), static_cast<int>(tokens),
                                                    topk_weights.typed_data(), topk_idx.typed_data(),
                                                    expert_y.untyped_data(), out->untyped_data(), stream),
                                  "combine_recv");
-  return earlier.empty() ? launched : ffi::Error::Internal(earlier);
+  if (launched.success()) dev->open_rounds[1 + channel].fetch_sub(1, std::memory_order_relaxed);
+  return earlier.empty() ? std::move(launched) : ToFfi(earlier);
 }
 
 // Passes `a` through (aliased) and stamps the device time once everything before it on the stream has finished.
