@@ -4,6 +4,10 @@
 
 Without GPUs it runs on 4 simulated CPU devices (EP=4); with GPUs it uses them (EP = their number, or --ep).
 Writes DIR/params.npz + DIR/meta.json (the checkpoint decode_moe.py reads), DIR/loss.png and DIR/metrics.json.
+
+Several processes (one machine or several hosts): every process runs this script with --coordinator HOST:PORT
+--num-processes N --process-id I (examples/launch.py does it for N local processes; under SLURM / Open MPI plain
+`srun` / `mpirun` suffice). Each process draws its own rows of every batch; process 0 logs and writes the outputs.
 """
 from __future__ import annotations
 
@@ -12,26 +16,24 @@ import json
 import os
 import sysconfig
 import time
+from typing import Callable
 
 import _common  # noqa: I001  (puts the repository on sys.path)
 
-DEVICES = _common.init_devices()
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from jax_moe.nn import MoELM, MoELMConfig, checkpoint, lm_loss  # noqa: E402
+from jax_moe.nn import MoELM, MoELMConfig, checkpoint, lm_loss
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=16, help="sequences per step (a multiple of --ep)")
+    p.add_argument("--batch", type=int, default=16, help="sequences per step, all processes together (a multiple "
+                   "of --ep)")
     p.add_argument("--seq", type=int, default=128, help="characters per sequence")
     p.add_argument("--backend", default="auto", help="jax_moe backend: auto | xla | cpu | cuda")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (default: all devices)")
@@ -47,6 +49,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--data-mb", type=float, default=2.0, help="megabytes of stdlib source to read")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
+    _common.add_process_args(p)
     return p.parse_args()
 
 
@@ -69,7 +72,8 @@ def stdlib_text(megabytes: float) -> str:
 
 def main() -> None:
     args = parse_args()
-    mesh = _common.make_mesh(DEVICES, args.ep)
+    devices = _common.init_devices(args)
+    mesh = _common.make_mesh(devices, args.ep)
     ep = int(mesh.shape["ep"])
     if args.batch % ep:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the EP size {ep}")
@@ -83,21 +87,55 @@ def main() -> None:
     model = MoELM(cfg, mesh, backend=args.backend, rngs=nnx.Rngs(args.seed))
     n_params = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
     backend = model.blocks[0].moe.comm_for(args.batch * args.seq // ep).backend_name
-    print(f"devices: {ep} x {DEVICES[0].platform}, jax_moe backend {backend!r}, {n_params / 1e6:.2f}M params, "
-          f"{len(train) / 1e6:.2f}M train / {len(val) / 1e6:.2f}M val characters")
+    processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    log(f"devices: {ep} x {devices[0].platform}{processes}, jax_moe backend {backend!r}, {n_params / 1e6:.2f}M "
+        f"params, {len(train) / 1e6:.2f}M train / {len(val) / 1e6:.2f}M val characters")
 
     warmup = min(20, args.steps // 4)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, max(args.steps, warmup + 1), args.lr * 0.1)
-    optimizer = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, 0.9, 0.95,
-                                                                                             weight_decay=0.01)),
-                              wrt=nnx.Param)
-    batch_sharding = NamedSharding(mesh, P("ep"))
-    rng = np.random.default_rng(args.seed)
+    # Built on the mesh, the optimizer's state (its step counts too) has the layout every update returns: the train
+    # step compiles once, not again at step 2.
+    with jax.set_mesh(mesh):
+        optimizer = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0),
+                                                     optax.adamw(schedule, 0.9, 0.95, weight_decay=0.01)),
+                                  wrt=nnx.Param)
+    rng = np.random.default_rng([args.seed, jax.process_index()])  # every process draws its own sequences
+    rows = _common.local_rows(mesh, args.batch)
 
     def batch_from(source: np.ndarray) -> jax.Array:
-        starts = rng.integers(0, len(source) - args.seq - 1, args.batch)
-        return jax.device_put(np.stack([source[s:s + args.seq + 1] for s in starts]), batch_sharding)
+        """This process's rows of a global batch of random windows of source."""
+        starts = rng.integers(0, len(source) - args.seq - 1, rows)
+        return _common.batch_array(mesh, np.stack([source[s:s + args.seq + 1] for s in starts]), args.batch)
 
+    history, val_points, wall = train_loop(args, model, optimizer, batch_from, train, val)
+
+    checkpoint.save(args.out, model, vocab=_common.VOCAB, steps=args.steps, seq=args.seq)  # collective
+    if _common.is_writer():
+        metrics = {"train_loss": history, "val_loss": val_points, "wall_s": wall, "ep": ep, "backend": backend,
+                   "processes": jax.process_count()}
+        with open(os.path.join(args.out, "metrics.json"), "w") as f:
+            json.dump(metrics, f)
+        plot(history, val_points, os.path.join(args.out, "loss.png"))
+        print(f"loss {history[0]:.3f} -> {history[-1]:.3f} in {args.steps} steps, {wall:.0f}s; "
+              f"checkpoint and loss.png in {args.out}")
+    else:
+        print(f"process {jax.process_index()}/{jax.process_count()} done; process 0 wrote the outputs")
+    _common.finish()
+
+
+def log(message: str) -> None:
+    if _common.is_writer():
+        tqdm.write(message)
+
+
+def scalar(x: jax.Array) -> float:
+    return float(_common.to_host(x))
+
+
+def train_loop(args: argparse.Namespace, model: MoELM, optimizer: nnx.Optimizer,
+               batch_from: Callable[[np.ndarray], jax.Array], train: np.ndarray, val: np.ndarray
+               ) -> tuple[list[float], list[tuple[int, float]], float]:
+    """(train losses, (step, val loss) pairs, seconds). Every process runs it; process 0 logs."""
     @nnx.jit
     def train_step(model: MoELM, optimizer: nnx.Optimizer, tokens: jax.Array):
         (loss, parts), grads = nnx.value_and_grad(lm_loss, has_aux=True)(model, tokens)
@@ -111,25 +149,19 @@ def main() -> None:
     history: list[float] = []
     val_points: list[tuple[int, float]] = []
     start = time.time()
-    bar = tqdm(range(1, args.steps + 1), desc="train", unit="step", mininterval=2.0)
+    bar = tqdm(range(1, args.steps + 1), desc="train", unit="step", mininterval=2.0,
+               disable=not _common.is_writer())
     for step in bar:
         loss, parts = train_step(model, optimizer, batch_from(train))
-        history.append(float(parts["ce"]))
-        bar.set_postfix(loss=f"{history[-1]:.3f}", aux=f"{float(parts['aux']):.3f}")
+        history.append(scalar(parts["ce"]))  # the global batch's loss, replicated on every device
+        aux = scalar(parts["aux"])
+        bar.set_postfix(loss=f"{history[-1]:.3f}", aux=f"{aux:.3f}")
         if step % args.log_every == 0 or step in (1, args.steps):
-            val_ce = float(np.mean([eval_step(model, batch_from(val)) for _ in range(2)]))
+            val_ce = float(np.mean([scalar(eval_step(model, batch_from(val))) for _ in range(2)]))
             val_points.append((step, val_ce))
-            tqdm.write(f"step {step:5d}  train loss {history[-1]:.3f}  val loss {val_ce:.3f}  "
-                       f"aux {float(parts['aux']):.3f}  ({time.time() - start:.0f}s)")
-    wall = time.time() - start
-
-    checkpoint.save(args.out, model, vocab=_common.VOCAB, steps=args.steps, seq=args.seq)
-    metrics = {"train_loss": history, "val_loss": val_points, "wall_s": wall, "ep": ep, "backend": backend}
-    with open(os.path.join(args.out, "metrics.json"), "w") as f:
-        json.dump(metrics, f)
-    plot(history, val_points, os.path.join(args.out, "loss.png"))
-    print(f"loss {history[0]:.3f} -> {history[-1]:.3f} in {args.steps} steps, {wall:.0f}s; "
-          f"checkpoint and loss.png in {args.out}")
+            log(f"step {step:5d}  train loss {history[-1]:.3f}  val loss {val_ce:.3f}  aux {aux:.3f}  "
+                f"({time.time() - start:.0f}s)")
+    return history, val_points, time.time() - start
 
 
 def plot(history: list[float], val_points: list[tuple[int, float]], path: str) -> None:
