@@ -33,6 +33,9 @@ def add_process_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--local-devices", type=int, default=None,
                    help=f"simulated CPU devices per process (default {TOTAL_CPU_DEVICES} / processes, 1 under "
                    "SLURM / Open MPI; no effect on GPUs)")
+    g.add_argument("--local-device-ids", default=None,
+                   help="comma-separated GPU ids this process drives (default: all it sees); one process per GPU: "
+                   "process i gets --local-device-ids i")
     g.add_argument("--fabric-provider", choices=("auto", "tcp", "shm", "efa", "verbs"), default=None,
                    help="transport of backend 'cpu' between processes (default $JAX_MOE_FABRIC_PROVIDER or auto)")
 
@@ -52,10 +55,11 @@ def init_devices(args: argparse.Namespace) -> list:
     jax.config.update("jax_num_cpu_devices", max(1, args.local_devices or default))
     if args.fabric_provider:  # read by backend "cpu" when a Communicator is made
         os.environ["JAX_MOE_FABRIC_PROVIDER"] = args.fabric_provider
+    ids = None if args.local_device_ids is None else [int(v) for v in args.local_device_ids.split(",")]
     if explicit:
-        jax.distributed.initialize(args.coordinator, n, args.process_id)
+        jax.distributed.initialize(args.coordinator, n, args.process_id, local_device_ids=ids)
     elif cluster:
-        jax.distributed.initialize()  # auto-detects coordinator, size and rank
+        jax.distributed.initialize(local_device_ids=ids)  # auto-detects coordinator, size and rank
     return jax.devices()
 
 

@@ -33,6 +33,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("-n", "--num-processes", type=int, required=True)
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds until all children are killed")
+    p.add_argument("--gpu-per-process", action="store_true",
+                   help="child i drives GPU i only (appends --local-device-ids i): one process per GPU")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT.py ARGS... (or any program)")
     args = p.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -44,9 +46,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def start(command: list[str], i: int, n: int, port: int) -> subprocess.Popen:
+def start(command: list[str], i: int, n: int, port: int, gpu: bool) -> subprocess.Popen:
     program = [sys.executable, *command] if command[0].endswith(".py") else command
     argv = [*program, "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n), "--process-id", str(i)]
+    if gpu:
+        argv += ["--local-device-ids", str(i)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # Own session = own process group: killing it also ends whatever the child started.
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -110,7 +114,7 @@ def main(argv: list[str]) -> int:
     failure: Optional[str] = "interrupted"
     try:
         for i in range(args.num_processes):
-            procs.append(start(args.command, i, args.num_processes, port))
+            procs.append(start(args.command, i, args.num_processes, port, args.gpu_per_process))
             threads.append(threading.Thread(target=relay, args=(procs[-1].stdout, f"[{i}]", lock), daemon=True))
             threads[-1].start()
         failure = wait(procs, args.timeout)
