@@ -53,6 +53,12 @@ fi
 if has demo; then  # the README's demo on the GPUs: backend "auto" picks "cuda"
   stage demo 300 bash -c 'python3 examples/train_moe.py --steps 60 --log-every 20 --out runs/gpu_demo && \
     python3 examples/decode_moe.py --checkpoint runs/gpu_demo --max_new_tokens 60'
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # the examples with one process per GPU
+    stage demo_mp 300 bash -c 'python3 examples/launch.py -n 2 --gpu-per-process --timeout 140 -- \
+      examples/train_moe.py --steps 30 --log-every 10 --out runs/gpu_mp && \
+      python3 examples/launch.py -n 2 --gpu-per-process --timeout 100 -- \
+      examples/decode_moe.py --checkpoint runs/gpu_mp --max_new_tokens 40'
+  fi
 fi
 if has bench; then
   stage bench 400 python3 -m jax_moe.bench moe --out "$OUT/bench" "$@"
