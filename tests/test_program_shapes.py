@@ -21,10 +21,12 @@ def make(backend: str, n: int, fp8: bool = False, t: int = 4) -> jax_moe.Communi
     return jax_moe.Communicator(cfg, backend_mesh(backend, n), "ep", backend=backend, timeout_s=30)
 
 
-NATIVE = [b for b in BACKENDS if b != "xla"]  # the backends with per-round buffers ("xla" has none to run out of)
+NATIVE = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # backends with per-round buffers ("xla" has none)
+ROUNDS = [("xla", 1), ("xla", 5)] + [(b, r) for b in ("cpu",) for r in (1, 5, 16)] + [
+    pytest.param("cuda", r, marks=pytest.mark.gpu) for r in (1, 5, 16)]
 
 
-@pytest.mark.parametrize("backend,rounds", [("xla", 1), ("xla", 5)] + [(b, r) for b in NATIVE for r in (1, 5, 16)])
+@pytest.mark.parametrize("backend,rounds", ROUNDS)
 def test_rounds_of_one_communicator_in_one_program(rng, backend, rounds):
     comm = make(backend, ranks_for(backend, 4))
     run_all(comm, rng, rounds, fp8=False, micro=5 if rounds == 5 else None)
