@@ -6,6 +6,7 @@
 #include <chrono>
 #include <map>
 
+#include "cpu/engine_pool.h"
 #include "cpu/rank_state.h"
 #include "proxy/region_header.h"
 
@@ -15,20 +16,10 @@ using proxy::MoeShape;
 
 namespace {
 
-// One engine per device and provider for the life of the process: Communicators come and go, but a peer may still
-// be finishing a round with us when ours is released, and its writes must find a live endpoint.
-std::shared_ptr<fabric::TransferEngine> EngineFor(int64_t device, const std::string& provider) {
-  static std::mutex mu;
-  static auto* cache = new std::map<std::pair<int64_t, std::string>, std::shared_ptr<fabric::TransferEngine>>();
-  std::lock_guard<std::mutex> lock(mu);
-  auto& engine = (*cache)[{device, provider}];
-  if (!engine) {
-    fabric::EngineOptions options;
-    options.provider = provider;
-    engine = std::make_shared<fabric::TransferEngine>(options);
-  }
-  return engine;
-}
+std::atomic<int64_t> live_comms{0};
+
+// Credits still owed to us are waited for at most this long when a CpuComm goes (see Drain).
+constexpr double kDrainBoundS = 5.0;
 
 }  // namespace
 
@@ -102,7 +93,7 @@ CpuComm::CpuComm(const CommOptions& options, const std::vector<RankInfo>& table,
           s.dispatch_row_bytes());
     setup(rank->combine, "combine", ImmKind::kCombineData, ImmKind::kCombineCredit, false, s.combine_row_bytes());
     if (!rank->remote_ranks.empty()) {
-      rank->engine = EngineFor(rank->info.device_id, options_.provider);
+      rank->engine = AcquireEngine(rank->info.device_id, options_.provider);
       Require(rank->engine->max_imm() == UINT32_MAX,
               "CpuComm: the fabric provider carries " + std::to_string(rank->engine->max_imm()) +
                   " as its largest immediate; the cpu backend needs 32-bit immediates");
@@ -112,9 +103,11 @@ CpuComm::CpuComm(const CommOptions& options, const std::vector<RankInfo>& table,
     }
   }
   progress_ = std::thread([this] { ProgressLoop(); });
+  live_comms.fetch_add(1);
 }
 
 CpuComm::~CpuComm() {
+  Drain();
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -128,6 +121,51 @@ CpuComm::~CpuComm() {
     } catch (const std::exception&) {
     }
   }
+  live_comms.fetch_sub(1);
+}
+
+int64_t CpuComm::Live() { return live_comms.load(); }
+
+// Peers send a credit after every round they receive, the last ones possibly after this process is done with the
+// Communicator, and our queued regions still need the progress thread. Waits (bounded; not after a failure) until the
+// queues are empty and every remote peer gave credit for every round we sent it: then no peer write to this
+// Communicator is still on its way, and our engine may close (engine_pool.h) without leaving a peer's write hanging.
+void CpuComm::Drain() {
+  {
+    std::lock_guard<std::mutex> lock(failure_mu_);
+    if (!failure_.empty()) return;
+  }
+  const Deadline deadline = Deadline::After(std::min(options_.timeout_s, kDrainBoundS));
+  std::unique_lock<std::mutex> lock(mu_);
+  try {
+    while (!Drained()) {
+      if (deadline.Expired()) return;
+      {
+        std::lock_guard<std::mutex> flock(failure_mu_);
+        if (!failure_.empty()) return;
+      }
+      cv_.wait_for(lock, std::chrono::microseconds(200));
+    }
+  } catch (const std::exception&) {  // a closed or failed engine: nothing more will come
+  }
+}
+
+bool CpuComm::Drained() {  // called with mu_ held
+  const int64_t n = options_.shape.num_ranks;
+  for (auto& rank : ranks_) {
+    for (DirectionOf dir : {&Rank::dispatch, &Rank::combine}) {
+      Direction& d = (*rank).*dir;
+      for (int64_t p = 0; p < n; ++p) {
+        if (!d.queue[p].empty()) return false;
+        if (rank->local_peer[p]) continue;
+        // Rounds send_round + 1 .. send_round + K cover every lane once: each needs the credits of all rounds sent.
+        for (int64_t k = 1; k <= d.lanes; ++k) {
+          if (!CreditOk(*rank, dir, p, d.send_round + uint64_t(k))) return false;
+        }
+      }
+    }
+  }
+  return true;
 }
 
 std::vector<Endpoint> CpuComm::LocalEndpoints() const {
@@ -301,9 +339,11 @@ void CpuComm::ProgressLoop() {
 // --- registry ---------------------------------------------------------------------------------------------------------
 namespace {
 std::mutex registry_mu;
+// Never destroyed: CpuComms left at exit must not be torn down by static destructors, after libfabric may have
+// finalized; the Python binding's atexit hook calls ReleaseAllComms before that.
 std::map<uint32_t, std::shared_ptr<CpuComm>>& Registry() {
-  static std::map<uint32_t, std::shared_ptr<CpuComm>> registry;
-  return registry;
+  static auto* registry = new std::map<uint32_t, std::shared_ptr<CpuComm>>();
+  return *registry;
 }
 }  // namespace
 
@@ -327,6 +367,17 @@ void ReleaseComm(uint32_t slot) {
     comm = std::move(it->second);
     Registry().erase(it);
   }
+}
+
+void ReleaseAllComms() {
+  std::map<uint32_t, std::shared_ptr<CpuComm>> all;
+  {
+    std::lock_guard<std::mutex> lock(registry_mu);
+    all.swap(Registry());
+  }
+  // Drains run one after the other, each bounded; then the engines nobody holds any more are closed at once.
+  all.clear();
+  CloseIdleEngines();
 }
 
 }  // namespace jax_moe::cpu

@@ -58,6 +58,8 @@ struct Endpoint {
 class CpuComm {
  public:
   CpuComm(const CommOptions& options, const std::vector<RankInfo>& table, int32_t process);
+  // Delivers queued regions and waits for the peers' last credits first (bounded, see Drain): the engines are shared
+  // by the process's CpuComms and close with the last of them (cpu/engine_pool.h).
   ~CpuComm();
   CpuComm(const CpuComm&) = delete;
   CpuComm& operator=(const CpuComm&) = delete;
@@ -67,6 +69,8 @@ class CpuComm {
   // Connects to every remote rank of the local ranks' groups and builds the peer groups.
   void Connect(const std::vector<Endpoint>& remote);
   uint64_t BytesAllocated() const;
+  // CpuComms alive in this process.
+  static int64_t Live();
 
   // The four halves, for the local rank on `device`. Tickets are int32[2] = {round, comm slot}. They throw
   // jax_moe::Error; any error marks the CpuComm failed.
@@ -102,6 +106,8 @@ class CpuComm {
   bool Arrived(Rank& me, DirectionOf dir, uint64_t round, std::vector<int32_t>* missing);
   void Release(Rank& me, DirectionOf dir, uint64_t round);
   void ProgressLoop();
+  void Drain();
+  bool Drained();
 
   CommOptions options_;
   int32_t process_;
@@ -120,5 +126,7 @@ class CpuComm {
 void RegisterComm(std::shared_ptr<CpuComm> comm);
 std::shared_ptr<CpuComm> FindComm(uint32_t slot);
 void ReleaseComm(uint32_t slot);
+// Releases every registered CpuComm, then closes the engines no CpuComm holds (interpreter exit).
+void ReleaseAllComms();
 
 }  // namespace jax_moe::cpu

@@ -4,6 +4,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "cpu/cpu_comm.h"
+#include "cpu/engine_pool.h"
 #include "ffi/cpu_handlers.h"
 #include "python/registry.h"
 
@@ -68,6 +69,25 @@ void Connect(uint32_t slot, const std::vector<EndpointRow>& rows) {
   comm->Connect(remote);
 }
 
+void Release(uint32_t slot) {
+  nb::gil_scoped_release release;  // ~CpuComm waits (bounded) for peers' last credits
+  jax_moe::cpu::ReleaseComm(slot);
+}
+
+// At interpreter exit, before jax's own exit hooks and static destructors: wait for programs still running (they call
+// into the CpuComms), then release every CpuComm and close the engines, so that no endpoint (shm region) outlives us.
+void ReleaseAll() {
+  nb::object modules = nb::module_::import_("sys").attr("modules");
+  if (!modules.attr("get")("jax").is_none()) {
+    try {
+      nb::module_::import_("jax").attr("effects_barrier")();
+    } catch (const std::exception&) {  // a failed program: its error was reported where it was awaited
+    }
+  }
+  nb::gil_scoped_release release;
+  jax_moe::cpu::ReleaseAllComms();
+}
+
 nb::capsule Capsule(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) { return nb::capsule(reinterpret_cast<void*>(fn)); }
 
 void RegisterCpu(nb::module_& m) {
@@ -78,7 +98,12 @@ void RegisterCpu(nb::module_& m) {
   cpu.def("endpoints", &Endpoints, "(group, rank, engine address, dispatch region, combine region) per local rank");
   cpu.def("connect", &Connect, "Connects to the endpoints of the ranks in other processes.");
   cpu.def("bytes_allocated", [](uint32_t slot) { return Get(slot)->BytesAllocated(); });
-  cpu.def("release", [](uint32_t slot) { jax_moe::cpu::ReleaseComm(slot); });
+  cpu.def("release", &Release, "Releases Communicator `slot` of this process (no-op if there is none).");
+  cpu.def("release_all", &ReleaseAll,
+          "Releases every CpuComm and closes the idle engines; registered with atexit when the module loads.");
+  cpu.def("live_comms", [] { return jax_moe::cpu::CpuComm::Live(); }, "CpuComms alive in this process.");
+  cpu.def("open_engines", [] { return jax_moe::cpu::OpenEngines(); },
+          "TransferEngines the cpu backend holds open (in use, or lingering after their last CpuComm).");
   cpu.def("handlers", [] {
     nb::dict d;
     d["dispatch_send"] = Capsule(JaxMoeCpuDispatchSend);
@@ -88,6 +113,7 @@ void RegisterCpu(nb::module_& m) {
     d["timestamp"] = Capsule(JaxMoeCpuTimestamp);
     return d;
   });
+  nb::module_::import_("atexit").attr("register")(cpu.attr("release_all"));
 }
 
 }  // namespace
