@@ -7,8 +7,9 @@ dispatch halves so that the later backends overlap it with the transfer.
 """
 from __future__ import annotations
 
-import functools
 import itertools
+import threading
+import weakref
 from typing import Any, Optional
 
 import jax
@@ -25,13 +26,57 @@ ACTIVATIONS = ("swiglu", "gelu")
 _layer_ids = itertools.count()
 
 
-@functools.lru_cache(maxsize=None)
-def communicator_for(layer_id: int, num_experts: int, experts_per_token: int, hidden: int, max_tokens: int,
-                     mesh: Any, axis_name: str, backend: str) -> jax_moe.Communicator:
-    """One Communicator per (layer, per-rank token count), reused by every trace: a Communicator serves one MoE
-    layer (native backends keep per-layer buffers and sequence state in it)."""
-    cfg = jax_moe.MoEConfig(num_experts, experts_per_token, hidden, max_tokens)
-    return jax_moe.Communicator(cfg, mesh, axis_name=axis_name, backend=backend)
+# --- Communicator lifetime ------------------------------------------------------------------------------------------
+# A layer builds one Communicator per per-rank token count (a Communicator serves one MoE layer: native backends keep
+# per-layer buffers and round state in it). They live while some MoE object of the layer does: the layer itself and
+# the copies nnx.merge, nnx.jit (inside its trace) and nnx.clone make of it, which carry its layer_id. Not as an
+# attribute of the layer: nnx puts every attribute into the layer's GraphDef, and jax's tracing caches keep GraphDefs
+# (thousands of them) long after the layer is gone, which kept every Communicator, and its native buffers, alive.
+class _LayerComms:
+    """The Communicators of one layer, by per-rank token count."""
+
+    def __init__(self) -> None:
+        self.by_tokens: dict[int, jax_moe.Communicator] = {}
+        self.anchored = False  # held by an object that is not a trace-time copy
+        weakref.finalize(self, _retire, self.by_tokens).atexit = False
+
+
+def _retire(by_tokens: dict) -> None:
+    """The layer is gone. Programs launched before (jax dispatches asynchronously) may still call its native
+    Communicators: let them finish, then drop the Communicators (their backends release what they hold)."""
+    if any(c.backend_name != "xla" for c in by_tokens.values()):
+        try:
+            jax.effects_barrier()  # the native halves carry an ordered effect: this waits for the programs using them
+        except Exception:  # noqa: BLE001 - a failed program reports its error where its results are awaited
+            pass
+    by_tokens.clear()
+
+
+_lock = threading.Lock()
+_by_layer: "weakref.WeakValueDictionary[int, _LayerComms]" = weakref.WeakValueDictionary()
+_held: dict[int, _LayerComms] = {}  # id(MoE object) -> its layer's Communicators; the entry goes with the object
+_pinned: list[_LayerComms] = []  # layers that only trace-time copies carried when they got a Communicator
+
+
+def _is_traced(layer: "MoE") -> bool:
+    router = getattr(layer, "router", None)
+    return isinstance(router.get_value() if isinstance(router, nnx.Variable) else router, jax.core.Tracer)
+
+
+def _attach(layer: "MoE") -> _LayerComms:
+    """The Communicators of `layer`'s layer, now held by `layer` too."""
+    key = id(layer)
+    with _lock:
+        comms = _held.get(key)
+        if comms is None:
+            comms = _by_layer.get(layer.layer_id)
+            if comms is None:
+                comms = _by_layer[layer.layer_id] = _LayerComms()
+            _held[key] = comms
+            weakref.finalize(layer, _held.pop, key, None).atexit = False
+        if not comms.anchored and not _is_traced(layer):
+            comms.anchored = True
+    return comms
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype: Any) -> jax.Array:
@@ -83,7 +128,7 @@ class MoE(nnx.Module):
 
     hidden, ffn: model and per-expert FFN widths; num_experts E (divisible by the EP size), experts_per_token R.
     mesh / axis_name / backend: where the experts live; the layer builds its own Communicator per per-rank
-      token count (cached).
+      token count, kept while the layer (or a copy of it: nnx.merge, nnx.jit, nnx.clone) is alive.
     communicator: use this one instead (its mesh, axis and config win; T per rank must stay <= its max_tokens).
     shared_ffn: width of an always-on dense expert (0 = none). activation: "swiglu" (gate+up) or "gelu".
     dtype: compute and output dtype; the wire is bf16 both ways.
@@ -128,22 +173,60 @@ class MoE(nnx.Module):
             self.w_up = expert_param((num_experts, hidden, ffn), hidden) if activation == "swiglu" else None
             self.w_out = expert_param((num_experts, ffn, hidden), ffn)
             self.shared = DenseFFN(hidden, shared_ffn, activation, dtype, rngs) if shared_ffn else None
+        if communicator is None:
+            _attach(self)
+
+    # Copies of a layer hold its Communicators too: the ones nnx.merge makes (also nnx.jit's, inside and after its
+    # trace, and nnx.clone's), the ones jax makes of the layer as a pytree, and copy/pickle's.
+    def _graph_node_init(self, attributes):
+        super()._graph_node_init(attributes)
+        if vars(self).get("communicator", True) is None:
+            _attach(self)
+
+    @classmethod
+    def _pytree__unflatten(cls, static, node_attrs):
+        layer = super()._pytree__unflatten(static, node_attrs)
+        if vars(layer).get("communicator", True) is None:
+            _attach(layer)
+        return layer
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if vars(self).get("communicator", True) is None:
+            _attach(self)
 
     @property
     def num_ranks(self) -> int:
         return int(self.mesh.shape[self.axis_name])
 
     def comm_for(self, tokens_per_rank: int) -> jax_moe.Communicator:
+        """This layer's Communicator for `tokens_per_rank` tokens per rank: built on first use, then the same one (in
+        every copy of the layer) until the layer is gone."""
         if self.communicator is not None:
             return self.communicator
-        return communicator_for(self.layer_id, self.num_experts, self.experts_per_token, self.hidden,
-                                tokens_per_rank, self.mesh, self.axis_name, self.backend)
+        comms = _attach(self)
+        comm = comms.by_tokens.get(tokens_per_rank)
+        if comm is None:
+            cfg = jax_moe.MoEConfig(self.num_experts, self.experts_per_token, self.hidden, tokens_per_rank)
+            comm = jax_moe.Communicator(cfg, self.mesh, axis_name=self.axis_name, backend=self.backend)
+            comms.by_tokens[tokens_per_rank] = comm
+            if not comms.anchored:
+                # Only trace-time copies carry the layer (say, a GraphDef merged inside jit after the layer was
+                # deleted): the compiled program calls the Communicator after they are gone, so keep it for good.
+                with _lock:
+                    _pinned.append(comms)
+        return comm
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         n = self.num_ranks
         if x.shape[-1] != self.hidden or x.ndim < 2 or x.shape[0] % n:
             raise ValueError(f"MoE: x must be [B, ..., {self.hidden}] with B divisible by {n}, got {x.shape}")
         comm = self.comm_for(x.size // (self.hidden * n))
+        if self.communicator is None:
+            # The program only borrows the layer's Communicator: jax caches the jaxprs of a jitted function (for as
+            # long as the function lives), and a strong reference in them (custom_vjp keeps its non-differentiable
+            # arguments) would keep every layer's Communicator, and its native buffers, alive after the layer.
+            comm = weakref.proxy(comm)
         axis, r, out_dtype = self.axis_name, self.experts_per_token, self.dtype
         ep = P(axis, None, None)
         params, specs = {"router": self.router[...]}, {"router": P()}
@@ -161,14 +244,14 @@ class MoE(nnx.Module):
             top_logits, topk_idx = jax.lax.top_k(logits, r)
             weights = jax.nn.softmax(top_logits, axis=-1)                      # float32 [T, R]
             aux = load_balancing_loss(jax.nn.softmax(logits, axis=-1), topk_idx, axis)
-            handle = comm.dispatch_send(xt.astype(jnp.bfloat16), topk_idx.astype(jnp.int32))
+            handle = jax_moe.dispatch_send(comm, xt.astype(jnp.bfloat16), topk_idx.astype(jnp.int32))
             y_shared = None
             if "shared_w_in" in p:  # independent of the transfer: the later backends overlap it
                 y_shared = dense_ffn(xt.astype(out_dtype), p["shared_w_in"], p["shared_w_out"], p.get("shared_w_up"))
-            d = comm.dispatch_recv(handle)
+            d = jax_moe.dispatch_recv(comm, handle)
             expert_y = expert_ffn(d.expert_x.astype(p["w_in"].dtype), d.expert_counts, p["w_in"], p["w_out"],
                                   p.get("w_up"))
-            y = comm.combine(expert_y.astype(jnp.bfloat16), weights, d).astype(out_dtype)
+            y = jax_moe.combine(comm, expert_y.astype(jnp.bfloat16), weights, d).astype(out_dtype)
             if y_shared is not None:
                 y = y + y_shared.astype(out_dtype)
             return y.reshape(x.shape[:-1] + (y.shape[-1],)), aux
