@@ -1,23 +1,30 @@
 """Failure scenarios across processes: `python mp_failure_worker.py MODE PROC NPROC PORT`.
 
-kill:     process 1 exits right after set-up; the others must report an error naming rank 1 within the timeout.
+kill:     process 1 is SIGKILLed right after set-up; the others must report an error naming it within the timeout.
+exit:     process 1 exits (os._exit) right after set-up; likewise.
+stall:    process 1 stays alive but never calls; likewise.
+badid:    process 1 routes a token to expert id E; every process must report that id and rank at once.
 mismatch: process 1 builds its Communicator with another max_tokens; set-up must fail with a clear error.
-Each process prints one line saying what happened and exits 0 (the test reads the lines).
+Each surviving process prints one line saying what happened and exits 0 (the test reads the lines).
+TIMEOUT_S is the Communicator's timeout; the provider comes from JAX_MOE_FABRIC_PROVIDER.
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
 import jax
 
 mode, proc, nproc, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+TIMEOUT_S = float(sys.argv[5]) if len(sys.argv) > 5 else 5.0
 jax.config.update("jax_num_cpu_devices", 1)
 jax.distributed.initialize(f"127.0.0.1:{port}", nproc, proc, initialization_timeout=60)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -37,18 +44,27 @@ def main() -> None:
     max_tokens = 8 if (mode == "mismatch" and proc == 1) else 4
     cfg = jax_moe.MoEConfig(2 * n, 2, 128, max_tokens)
     try:
-        comm = jax_moe.Communicator(cfg, mesh, "ep", backend="cpu", timeout_s=5.0 if mode == "kill" else 20.0)
+        comm = jax_moe.Communicator(cfg, mesh, "ep", backend="cpu", timeout_s=TIMEOUT_S)
     except Exception as e:  # noqa: BLE001 - the message is the result
         finish(f"SETUP ERROR {type(e).__name__}: {e}")
-    if mode == "kill" and proc == 1:
-        finish("EXITING on purpose")
     sharding = NamedSharding(mesh, P("ep"))
     t = 4
     x = jax.make_array_from_callback((n * t, 128), sharding, lambda i: np.ones((t, 128), jnp.bfloat16))
+    bad = mode == "badid" and proc == 1
     idx = jax.make_array_from_callback((n * t, 2), sharding,
-                                       lambda i: np.tile(np.array([[0, 2 * n - 1]], np.int32), (t, 1)))
+                                       lambda i: np.tile(np.array([[0, 2 * n if bad else 2 * n - 1]], np.int32),
+                                                         (t, 1)))
     f = jax.jit(jax.shard_map(lambda x, i: comm.dispatch(x, i).expert_x, mesh=mesh, in_specs=(P("ep"), P("ep")),
                               out_specs=P("ep")))
+    f = f.lower(x, idx).compile()  # the time below is the call's alone
+    multihost_utils.sync_global_devices("compiled")
+    if proc == 1 and mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if proc == 1 and mode == "exit":
+        os._exit(0)
+    if proc == 1 and mode == "stall":
+        time.sleep(TIMEOUT_S + 20)  # alive, silent; the others are done by then
+        os._exit(0)
     start = time.monotonic()
     try:
         jax.block_until_ready(f(x, idx))

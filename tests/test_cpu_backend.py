@@ -76,17 +76,6 @@ def test_processes_over_the_fabric(rng, provider, nproc, per_proc):
 
 
 @pytest.mark.multiprocess
-def test_killed_process_gives_errors_in_bounded_time():
-    port = free_port()
-    outs = launch("mp_failure_worker.py", [("kill", i, 3, port) for i in range(3)], timeout_s=120)
-    for i in (0, 2):  # survivors
-        assert "ERROR after" in outs[i], outs[i][-3000:]
-        assert "rank 1" in outs[i] or "ranks [1]" in outs[i], outs[i][-3000:]
-        seconds = float(outs[i].split("ERROR after ")[1].split(" s")[0])
-        assert seconds < 30, outs[i][-2000:]
-
-
-@pytest.mark.multiprocess
 def test_config_mismatch_detected_at_bootstrap():
     port = free_port()
     outs = launch("mp_failure_worker.py", [("mismatch", i, 2, port) for i in range(2)], timeout_s=120)

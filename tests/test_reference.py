@@ -116,17 +116,20 @@ def test_out_of_range_ids_are_masked(rng):
             np.testing.assert_array_equal(bits(a), bits(b))
 
 
-@pytest.mark.parametrize("backend", ["cpu"])  # "cuda" reports it differently: tests/gpu/test_cuda.py
-def test_out_of_range_id_is_an_error(rng, backend):
-    """Native backends report an id outside [0, E) as an error naming it, on every rank, and write nothing."""
+@pytest.mark.parametrize("backend", ["cpu"])  # "cuda" reports it at the next receive: tests/gpu/test_cuda.py
+@pytest.mark.parametrize("bad", [1000, 8, -2])
+def test_out_of_range_id_is_an_error(rng, backend, bad):
+    """Native backends report an id outside [0, E) other than -1 as INVALID_ARGUMENT naming it and the rank, on
+    every rank and every later call (one code, whichever rank reports first), and write nothing."""
     n, e, r, hidden, t = 4, 8, 2, 128, 3
     comm = jax_moe.Communicator(jax_moe.MoEConfig(e, r, hidden, t), mesh_of(n), "ep", backend=backend, timeout_s=20)
     x, _ = random_tokens(rng, n * t, hidden, False)
     idx = random_routing(rng, n, t, r, e, mask=0.0)
-    idx[t + 1, 1] = 1000  # rank 1, token 1
+    idx[t + 1, 1] = bad  # rank 1, token 1
     w = rng.random((n * t, r)).astype(np.float32)
-    with pytest.raises(jax.errors.JaxRuntimeError, match="expert id 1000"):
-        jax.block_until_ready(roundtrip(comm, x, idx, w))
+    for _ in range(2):
+        with pytest.raises(jax.errors.JaxRuntimeError, match=rf"INVALID_ARGUMENT.*rank 1 .*expert id {bad}"):
+            jax.block_until_ready(roundtrip(comm, x, idx, w))
 
 
 def test_tuple_axis_name(rng):

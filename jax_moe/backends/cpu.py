@@ -8,6 +8,7 @@ store) and calls its four halves with jax.ffi.ffi_call.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import weakref
 from typing import TYPE_CHECKING, Optional
@@ -103,15 +104,18 @@ class CpuBackend(Backend):
         core.cpu.create(self.slot, self.shape, table, process, self.timeout_s, self.provider)
         weakref.finalize(comm, core.cpu.release, self.slot)
         processes = sorted({row[1] for row in table})
+        hosts = [""] * (max(processes) + 1)
+        hosts[process] = socket.gethostname()
         if len(processes) > 1:
-            self._connect(processes, process)
+            hosts = self._connect(processes, process, hosts)
+        core.cpu.set_hosts(self.slot, hosts)
 
     @property
     def bytes_allocated(self) -> int:
         """Host bytes of this process's receive and staging buffers."""
         return int(_core().cpu.bytes_allocated(self.slot))
 
-    def _connect(self, processes: list[int], process: int) -> None:
+    def _connect(self, processes: list[int], process: int, hosts: list[str]) -> list[str]:
         """Exchanges endpoints with the other processes through the jax.distributed key-value store."""
         from jax._src import distributed
 
@@ -122,7 +126,8 @@ class CpuBackend(Backend):
         prefix = f"jax_moe/cpu/{self.comm.id}"
         fingerprint = json.dumps({"shape": self.shape, "axis": str(self.comm.axis_name), "provider": self.provider})
         mine = [[g, r, a.hex(), d.hex(), c.hex()] for g, r, a, d, c in core.cpu.endpoints(self.slot)]
-        client.key_value_set_bytes(f"{prefix}/{process}", json.dumps({"config": fingerprint, "endpoints": mine}).encode())
+        client.key_value_set_bytes(f"{prefix}/{process}", json.dumps({"config": fingerprint, "endpoints": mine,
+                                                                       "host": hosts[process]}).encode())
         timeout_ms = int(self.timeout_s * 1000)
         remote = []
         for p in processes:
@@ -134,8 +139,10 @@ class CpuBackend(Backend):
                                  f"  process {p}: {blob['config']}\n  process {process}: {fingerprint}")
             remote += [(g, r, bytes.fromhex(a), bytes.fromhex(d), bytes.fromhex(c)) for g, r, a, d, c in
                        blob["endpoints"]]
+            hosts[p] = str(blob.get("host", ""))
         core.cpu.connect(self.slot, remote)
         client.wait_at_barrier(f"{prefix}/connected", timeout_ms)
+        return hosts
 
     # --- the four halves ------------------------------------------------------------------------------------------
     def _call(self, half: str, results, *args, **attrs):

@@ -10,6 +10,7 @@ const char* ErrorCodeName(ErrorCode code) {
     case ErrorCode::kUnavailable: return "unavailable";
     case ErrorCode::kClosed: return "closed";
     case ErrorCode::kInternal: return "internal";
+    case ErrorCode::kMisuse: return "misuse";
   }
   return "unknown";
 }

@@ -13,6 +13,7 @@ enum class ErrorCode {
   kUnavailable,      // the requested provider/device is not present
   kClosed,           // the object was closed
   kInternal,         // a library call failed unexpectedly
+  kMisuse,           // the API was used against its contract (e.g. a send whose round is never received)
 };
 
 const char* ErrorCodeName(ErrorCode code);

@@ -38,8 +38,9 @@ CpuComm::CpuComm(const CommOptions& options, const std::vector<RankInfo>& table,
   Require(options_.timeout_s > 0, "CpuComm: timeout must be positive");
   Require(n <= kMaxRanks, "CpuComm: at most 4096 ranks per group");
   Require(options_.lanes >= 2 && options_.lanes <= kMaxLanes, "CpuComm: lanes must be in [2, 8]");
+  table_ = table;  // members_ points into it
   std::map<int32_t, std::vector<const RankInfo*>> groups;
-  for (const RankInfo& info : table) {
+  for (const RankInfo& info : table_) {
     Require(info.rank >= 0 && info.rank < n, "CpuComm: rank out of range in the device table");
     auto& members = groups[info.group];
     members.resize(n, nullptr);
@@ -48,6 +49,7 @@ CpuComm::CpuComm(const CommOptions& options, const std::vector<RankInfo>& table,
   }
   for (auto& [g, members] : groups) {
     for (const RankInfo* m : members) Require(m != nullptr, "CpuComm: a group misses a rank");
+    members_[g] = members;
   }
   for (const RankInfo& info : table) {
     if (info.process != process_) continue;
@@ -227,13 +229,17 @@ CpuComm::Rank& CpuComm::RankOf(int64_t device) {
 
 void CpuComm::CheckHealthy() const {
   std::lock_guard<std::mutex> lock(failure_mu_);
-  if (!failure_.empty()) Throw(ErrorCode::kPeerFailed, "this Communicator failed earlier: " + failure_);
+  // The first error's code, so that every rank and every later call report one error the same way.
+  if (!failure_.empty()) Throw(failure_code_, "this Communicator failed earlier: " + failure_);
 }
 
-void CpuComm::Fail(const std::string& message) {
+void CpuComm::Fail(const std::string& message, ErrorCode code) {
   {
     std::lock_guard<std::mutex> lock(failure_mu_);
-    if (failure_.empty()) failure_ = message;
+    if (failure_.empty()) {
+      failure_ = message;
+      failure_code_ = code;
+    }
   }
   cv_.notify_all();
 }
@@ -243,12 +249,28 @@ void CpuComm::Guard(const std::function<void()>& fn) {
   try {
     fn();
   } catch (const Error& e) {
-    Fail(e.what());
+    Fail(e.what(), e.code());
     throw;
   } catch (const std::exception& e) {
-    Fail(e.what());
+    Fail(e.what(), ErrorCode::kInternal);
     Throw(ErrorCode::kInternal, e.what());
   }
+}
+
+void CpuComm::SetHosts(const std::vector<std::string>& hosts) {
+  std::lock_guard<std::mutex> lock(failure_mu_);
+  hosts_ = hosts;
+}
+
+std::string CpuComm::Name(const Rank& me, int64_t rank) const {
+  std::string out = "rank " + std::to_string(rank);
+  auto it = members_.find(me.info.group);
+  if (it == members_.end() || rank < 0 || rank >= int64_t(it->second.size())) return out;
+  const RankInfo& info = *it->second[rank];
+  std::lock_guard<std::mutex> lock(failure_mu_);
+  const bool host = info.process >= 0 && info.process < int32_t(hosts_.size()) && !hosts_[info.process].empty();
+  return out + " (process " + std::to_string(info.process) + (host ? " on host " + hosts_[info.process] : "") +
+         ", device " + std::to_string(info.device_id) + ")";
 }
 
 // --- receiving ------------------------------------------------------------------------------------------------------------
@@ -289,17 +311,28 @@ void CpuComm::Receive(Rank& me, DirectionOf dir, const int32_t* ticket, const ch
   const Deadline deadline = Deadline::After(options_.timeout_s);
   {
     std::unique_lock<std::mutex> lock(mu_);
-    while (!Arrived(me, dir, round, nullptr)) {
+    std::vector<int32_t> missing;
+    while (!Arrived(me, dir, round, &missing)) {
       CheckHealthy();
-      if (deadline.Expired()) {
-        std::vector<int32_t> missing;
-        Arrived(me, dir, round, &missing);
-        Throw(ErrorCode::kTimeout,
-              std::string(d.name) + " on rank " + std::to_string(me.info.rank) + ": no data from ranks " +
-                  RankList(missing) + " within " + Format("%g", options_.timeout_s) + " s (round " +
-                  std::to_string(round) + "; more than " + std::to_string(d.lanes) +
-                  " rounds of one Communicator in flight also stall: one Communicator per layer keeps them few)");
+      // A sender that failed (a bad expert id) says so in its region: fail now with its error, not at the timeout
+      // (other ranks of its process may never send this round).
+      for (int64_t p = 0, j = 0; p < options_.shape.num_ranks; ++p) {
+        if (j < int64_t(missing.size()) && missing[j] == p) {
+          ++j;
+          continue;
+        }
+        std::string failed = SenderFailure(d, options_.shape, options_.slot, round, p, Name(me, p));
+        if (!failed.empty()) Throw(ErrorCode::kInvalidArgument, failed);
       }
+      if (deadline.Expired()) {
+        std::string names;
+        for (int32_t p : missing) names += (names.empty() ? "" : ", ") + Name(me, p);
+        Throw(ErrorCode::kTimeout,
+              std::string(d.name) + " on " + Name(me, me.info.rank) + ": no data from " + names + " within " +
+                  Format("%g", options_.timeout_s) + " s (round " + std::to_string(round) +
+                  "): its process may have died or stopped calling this Communicator");
+      }
+      missing.clear();
       cv_.wait_for(lock, me.remote_ranks.empty() ? std::chrono::microseconds(20000) : std::chrono::microseconds(100));
     }
   }
@@ -327,7 +360,7 @@ void CpuComm::ProgressLoop() {
         try {
           FlushQueues(*rank, dir);
         } catch (const Error& e) {
-          Fail(e.what());
+          Fail(e.what(), e.code());
         }
         for (const auto& q : ((*rank).*dir).queue) waiting |= !q.empty();
       }

@@ -69,6 +69,8 @@ class CpuComm {
   // Connects to every remote rank of the local ranks' groups and builds the peer groups.
   void Connect(const std::vector<Endpoint>& remote);
   uint64_t BytesAllocated() const;
+  // The host of every process (index = process), for error messages that say where a rank runs.
+  void SetHosts(const std::vector<std::string>& hosts);
   // CpuComms alive in this process.
   static int64_t Live();
 
@@ -87,11 +89,13 @@ class CpuComm {
   struct Rank;
   struct Direction;
   using DirectionOf = Direction Rank::*;
+  // "rank r (process p on host h, device d)" for rank `rank` of `me`'s group.
+  std::string Name(const Rank& me, int64_t rank) const;
 
  private:
   Rank& RankOf(int64_t device);
   void CheckHealthy() const;
-  void Fail(const std::string& message);
+  void Fail(const std::string& message, ErrorCode code);
   // Runs a half: a failure marks the CpuComm failed and is rethrown.
   void Guard(const std::function<void()>& fn);
 
@@ -115,6 +119,10 @@ class CpuComm {
   std::unordered_map<int64_t, Rank*> by_device_;
   mutable std::mutex failure_mu_;
   std::string failure_;
+  ErrorCode failure_code_ = ErrorCode::kPeerFailed;  // the first error's code: later calls fail with the same
+  std::vector<std::string> hosts_;                    // [process] host name, when known
+  std::unordered_map<int64_t, std::vector<const RankInfo*>> members_;  // group -> [rank] its device's info
+  std::vector<RankInfo> table_;
   // Queues, staging and credits of every local rank; receivers and the progress thread sleep on cv_.
   std::mutex mu_;
   std::condition_variable cv_;

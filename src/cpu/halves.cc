@@ -1,6 +1,8 @@
 // The four halves of CpuComm: what goes into a region, and what comes out of the received ones.
 #include <algorithm>
 #include <cstring>
+#include <functional>
+#include <string>
 
 #include "cpu/bf16.h"
 #include "cpu/rank_state.h"
@@ -29,7 +31,7 @@ void WriteHeader(uint8_t* region, const MoeShape& s, uint32_t slot, uint64_t rou
 
 // Every sender's header of `round`, checked: nothing a peer sends can make us read or write outside a buffer.
 std::vector<const RegionHeader*> CheckedHeaders(const CpuComm::Direction& d, const MoeShape& s, uint32_t slot,
-                                                uint64_t round) {
+                                                uint64_t round, const std::function<std::string(int64_t)>& name) {
   const int64_t n = s.num_ranks;
   std::vector<const RegionHeader*> headers(n);
   for (int64_t p = 0; p < n; ++p) {
@@ -38,13 +40,21 @@ std::vector<const RegionHeader*> CheckedHeaders(const CpuComm::Direction& d, con
     if (!problem.empty()) Throw(ErrorCode::kPeerFailed, std::string(d.name) + ": " + problem);
   }
   for (int64_t p = 0; p < n; ++p) {
-    if (headers[p]->error == int32_t(proxy::SenderError::kExpertOutOfRange)) {
-      Throw(ErrorCode::kInvalidArgument, "dispatch: rank " + std::to_string(p) + " was given expert id " +
-                                             std::to_string(headers[p]->error_value) + ", outside [0, " +
-                                             std::to_string(s.num_experts) + ")");
-    }
+    std::string failed = SenderFailure(d, s, slot, round, p, name(p));
+    if (!failed.empty()) Throw(ErrorCode::kInvalidArgument, failed);
   }
   return headers;
+}
+
+// Rounds run in program order and jax_moe.rounds refuses programs that open more than K at once, so K open rounds
+// at a send mean handles that were never received (kept across programs, or dropped): the send would need the
+// credit of a lane nobody will ever read.
+void CheckLaneFree(const CpuComm::Direction& d, const char* op, const std::string& who) {
+  if (d.send_round - d.received < uint64_t(d.lanes)) return;
+  Throw(ErrorCode::kMisuse, std::string(op) + " on " + who + ": the " + std::to_string(d.lanes) +
+                                " previous rounds of this direction were sent and never received (a handle must "
+                                "reach its receive half exactly once); this Communicator cannot go on: build a new "
+                                "one");
 }
 
 void WriteTicket(int32_t* ticket, uint64_t round, uint32_t slot) {
@@ -54,6 +64,15 @@ void WriteTicket(int32_t* ticket, uint64_t round, uint32_t slot) {
 
 }  // namespace
 
+std::string SenderFailure(const CpuComm::Direction& d, const MoeShape& s, uint32_t slot, uint64_t round,
+                          int64_t sender, const std::string& who) {
+  const auto* h = reinterpret_cast<const RegionHeader*>(d.Region(s.num_ranks, round, sender));
+  if (!proxy::CheckHeader(*h, s, slot, round, int32_t(sender), d.has_counts).empty()) return "";
+  if (h->error != int32_t(proxy::SenderError::kExpertOutOfRange)) return "";
+  return std::string(d.name) + ": " + who + " was given expert id " + std::to_string(h->error_value) +
+         " in topk_idx, outside [0, " + std::to_string(s.num_experts) + ") and not -1";
+}
+
 void CpuComm::DispatchSend(int64_t device, const uint8_t* x, const uint8_t* x_scale, const int32_t* topk_idx,
                            int64_t tokens, bool per_slot, int32_t* slot, int32_t* ticket) {
   Guard([&] {
@@ -62,6 +81,7 @@ void CpuComm::DispatchSend(int64_t device, const uint8_t* x, const uint8_t* x_sc
     Require(tokens <= s.max_tokens, "dispatch_send: more tokens than max_tokens");
     proxy::ComputeSendPlan(topk_idx, tokens, s, &me.plan);
     Direction& d = me.dispatch;
+    CheckLaneFree(d, "dispatch_send", Name(me, me.info.rank));
     const uint64_t round = ++d.send_round;
     const int64_t r = s.experts_per_token, c = s.rows_per_peer();
     const uint64_t xb = s.x_bytes(), sb = s.scale_bytes();
@@ -86,10 +106,19 @@ void CpuComm::DispatchSend(int64_t device, const uint8_t* x, const uint8_t* x_sc
     std::copy(me.plan.slot.begin(), me.plan.slot.end(), slot);
     WriteTicket(ticket, round, options_.slot);
     if (bad) {
+      // The region carrying the error must reach the other processes before ours may exit on it: they fail at
+      // once with it instead of waiting for the timeout.
+      if (!me.remote_ranks.empty()) {
+        try {
+          me.engine->WaitSends(std::min(options_.timeout_s, 5.0));
+        } catch (const Error&) {  // a peer that is gone as well: the error below is still ours to report
+        }
+      }
       const int64_t t = me.plan.bad_index / r, k = me.plan.bad_index % r;
-      Throw(ErrorCode::kInvalidArgument, "dispatch_send: expert id " + std::to_string(me.plan.bad_value) +
-                                             " at token " + std::to_string(t) + ", k " + std::to_string(k) +
-                                             " is outside [0, " + std::to_string(s.num_experts) + ")");
+      Throw(ErrorCode::kInvalidArgument, "dispatch_send on " + Name(me, me.info.rank) + ": expert id " +
+                                             std::to_string(me.plan.bad_value) + " at token " + std::to_string(t) +
+                                             ", k " + std::to_string(k) + " is outside [0, " +
+                                             std::to_string(s.num_experts) + ") and not -1");
     }
   });
 }
@@ -100,9 +129,10 @@ void CpuComm::DispatchRecv(int64_t device, const int32_t* ticket, uint8_t* exper
     Rank& me = RankOf(device);
     const Direction& d = me.dispatch;
     const uint64_t round = uint32_t(ticket[0]);
+    ++me.dispatch.received;
     Receive(me, &Rank::dispatch, ticket, "dispatch_recv", [&] {
       const MoeShape& s = options_.shape;
-      auto headers = CheckedHeaders(d, s, options_.slot, round);
+      auto headers = CheckedHeaders(d, s, options_.slot, round, [&](int64_t p) { return Name(me, p); });
       const int64_t n = s.num_ranks, l = s.local_experts, c = s.rows_per_peer();
       std::vector<int32_t> counts(n * l);
       for (int64_t p = 0; p < n; ++p) std::memcpy(&counts[p * l], proxy::HeaderCounts(headers[p]), 4 * l);
@@ -130,6 +160,7 @@ void CpuComm::CombineSend(int64_t device, const uint8_t* expert_y, const int32_t
     Rank& me = RankOf(device);
     const MoeShape& s = options_.shape;
     Direction& d = me.combine;
+    CheckLaneFree(d, "combine_send", Name(me, me.info.rank));
     const uint64_t round = ++d.send_round;
     const int64_t n = s.num_ranks, c = s.rows_per_peer(), m = s.max_recv_rows();
     const uint64_t yb = uint64_t(s.hidden) * s.y_itemsize;
@@ -162,9 +193,10 @@ void CpuComm::CombineRecv(int64_t device, const int32_t* ticket, const float* to
     Rank& me = RankOf(device);
     const Direction& d = me.combine;
     const uint64_t round = uint32_t(ticket[0]);
+    ++me.combine.received;
     Receive(me, &Rank::combine, ticket, "combine_recv", [&] {
       const MoeShape& s = options_.shape;
-      auto headers = CheckedHeaders(d, s, options_.slot, round);
+      auto headers = CheckedHeaders(d, s, options_.slot, round, [&](int64_t p) { return Name(me, p); });
       const int64_t n = s.num_ranks, r = s.experts_per_token, c = s.rows_per_peer(), h = s.hidden;
       auto* o = reinterpret_cast<uint16_t*>(out);
       float* acc = me.acc.data();

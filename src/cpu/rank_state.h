@@ -42,6 +42,7 @@ struct CpuComm::Direction {
   std::unique_ptr<std::atomic<uint64_t>[]> arrived;   // [K][N]: last round a same-process sender delivered
   std::unique_ptr<std::atomic<uint64_t>[]> released;  // [K]: rounds of each lane this rank finished reading
   uint64_t send_round = 0;                            // touched by the rank's own XLA thread only
+  uint64_t received = 0;                              // rounds this rank received (same thread)
   // Guarded by CpuComm::mu_:
   std::vector<std::deque<Outgoing>> queue;  // [N] regions waiting for the receiver's credit, in round order
   std::vector<std::unique_ptr<Staging>> staging;
@@ -69,5 +70,9 @@ struct CpuComm::Rank {
 };
 
 std::string RankList(const std::vector<int32_t>& ranks);
+// The error a sender reported in its region of `round` (an expert id out of range on that rank), or "" when none or
+// the region is not (yet) a valid one; `who` names the sender.
+std::string SenderFailure(const CpuComm::Direction& d, const proxy::MoeShape& s, uint32_t slot, uint64_t round,
+                          int64_t sender, const std::string& who);
 
 }  // namespace jax_moe::cpu

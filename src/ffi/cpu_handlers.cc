@@ -18,6 +18,8 @@ ffi::Error ToFfi(const Error& e) {
       return ffi::Error::InvalidArgument(msg);
     case ErrorCode::kTimeout:
       return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg);
+    case ErrorCode::kMisuse:
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition, msg);
     case ErrorCode::kPeerFailed:
     case ErrorCode::kUnavailable:
     case ErrorCode::kClosed:

@@ -17,8 +17,8 @@ void ComputeSendPlan(const int32_t* topk_idx, int64_t tokens, const MoeShape& s,
     const int32_t* ids = topk_idx + t * r;
     for (int64_t k = 0; k < r; ++k) {
       const int64_t g = ids[k];
-      if (g < 0) continue;  // masked by the caller
-      if (g >= e_total) {
+      if (g == -1) continue;  // masked by the caller
+      if (g < 0 || g >= e_total) {  // any other id outside [0, E) is a caller's bug: masked, then reported
         if (plan->bad_index < 0) {
           plan->bad_index = t * r + k;
           plan->bad_value = g;

@@ -98,6 +98,8 @@ void RegisterCpu(nb::module_& m) {
   cpu.def("endpoints", &Endpoints, "(group, rank, engine address, dispatch region, combine region) per local rank");
   cpu.def("connect", &Connect, "Connects to the endpoints of the ranks in other processes.");
   cpu.def("bytes_allocated", [](uint32_t slot) { return Get(slot)->BytesAllocated(); });
+  cpu.def("set_hosts", [](uint32_t slot, const std::vector<std::string>& hosts) { Get(slot)->SetHosts(hosts); },
+          "The host of every process (index = process index), named in error messages.");
   cpu.def("release", &Release, "Releases Communicator `slot` of this process (no-op if there is none).");
   cpu.def("release_all", &ReleaseAll,
           "Releases every CpuComm and closes the idle engines; registered with atexit when the module loads.");

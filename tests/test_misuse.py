@@ -1,0 +1,40 @@
+"""Misuse of the halves must not poison later calls silently: refused at trace time where the program shows it
+(tests/test_program_shapes.py), else at run time with an error that names it, promptly, never a timeout."""
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_moe
+from helpers import backend_mesh, random_routing, random_tokens, shard
+from test_reference import BACKENDS, check_roundtrip, ranks_for, roundtrip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sends_never_received_fail_the_next_send_at_once(rng, backend):
+    """Programs that send and never receive (a handle dropped): once the backend's buffers are all held by such
+    rounds, the next send fails at once naming the misuse, instead of waiting for the timeout."""
+    n = ranks_for(backend, 2)
+    cfg = jax_moe.MoEConfig(4 * n, 2, 128, 4)
+    comm = jax_moe.Communicator(cfg, backend_mesh(backend, n), "ep", backend=backend, timeout_s=30)
+    leak = jax.jit(jax.shard_map(lambda x, i: (comm.dispatch_send(x, i), x)[1], mesh=comm.mesh,
+                                 in_specs=(P("ep"),) * 2, out_specs=P("ep")))
+    x, _ = random_tokens(rng, n * 4, 128, False)
+    idx = random_routing(rng, n, 4, 2, 4 * n)
+    w = rng.random((n * 4, 2)).astype(np.float32)
+    limit = comm.backend.rounds_in_flight
+    if limit is None:  # nothing held: any number of unreceived sends is harmless
+        jax.block_until_ready(leak(*shard(comm.mesh, x, idx)))
+        check_roundtrip(comm, n, x, idx, w, None, roundtrip(comm, x, idx, w))
+        return
+    for _ in range(limit):
+        jax.block_until_ready(leak(*shard(comm.mesh, x, idx)))
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="never received"):
+        jax.block_until_ready(roundtrip(comm, x, idx, w))
+    assert time.monotonic() - t0 < 10, "the misuse must be reported at once, not after the 30 s timeout"
