@@ -75,6 +75,22 @@ def test_bad_communicator():
         jax_moe.Communicator(cfg, mesh_of(2), "ep", backend="xla", fabric_provider="bogus")
 
 
+def test_environment_defaults_are_checked(monkeypatch):
+    """The environment's defaults are checked like the options, and the error names the variable."""
+    cfg = jax_moe.MoEConfig(4, 2, H, T)
+    for raw in ("abc", "0", "-3", "inf"):
+        monkeypatch.setenv("JAX_MOE_TIMEOUT_S", raw)
+        with pytest.raises(ValueError, match=f"JAX_MOE_TIMEOUT_S='{raw}': must be a positive number of seconds"):
+            jax_moe.Communicator(cfg, mesh_of(2), "ep", backend="cpu")
+    monkeypatch.setenv("JAX_MOE_TIMEOUT_S", "7.5")
+    monkeypatch.setenv("JAX_MOE_FABRIC_PROVIDER", "bogus")
+    with pytest.raises(ValueError, match="JAX_MOE_FABRIC_PROVIDER='bogus': must be one of"):
+        jax_moe.Communicator(cfg, mesh_of(2), "ep", backend="cpu")
+    monkeypatch.delenv("JAX_MOE_FABRIC_PROVIDER")
+    assert jax_moe.Communicator(cfg, mesh_of(2), "ep", backend="cpu").timeout_s == 7.5
+    assert jax_moe.Communicator(cfg, mesh_of(2), "ep", backend="cpu", timeout_s=3).timeout_s == 3.0
+
+
 def test_outside_shard_map(comm):
     with pytest.raises(RuntimeError, match="inside jax.shard_map over axis 'ep'"):
         comm.dispatch(jnp.zeros((T, H), jnp.bfloat16), jnp.zeros((T, R), jnp.int32))
