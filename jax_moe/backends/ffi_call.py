@@ -17,6 +17,7 @@ axis an operand varies over, plus the Communicator's axes (they are per rank).
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 from typing import Any, Iterable
 
@@ -93,7 +94,24 @@ def _keep_no_runtime_token() -> None:
     cls.set_token_result = set_token_result
 
 
+def _drain_runtime_tokens() -> None:
+    """At exit, before jax's own hook (atexit runs hooks in reverse order): wait for every device's last program one
+    by one and forget them. jax's hook stops at the first program that failed and prints its error again as an
+    'Exception ignored in atexit callback' traceback; a failed jax_moe call was already reported where its result
+    was awaited."""
+    tokens = dispatch.runtime_tokens
+    for token in list(getattr(tokens, "output_runtime_tokens", {}).values()):
+        try:
+            token.block_until_ready()
+        except Exception:  # noqa: BLE001 - reported where the program's results were awaited
+            pass
+    clear = getattr(tokens, "clear", None)
+    if clear is not None:
+        clear()
+
+
 _keep_no_runtime_token()
+atexit.register(_drain_runtime_tokens)
 _call_p.def_effectful_abstract_eval(_abstract_eval)
 dispatch.simple_impl(_call_p)
 mlir.register_lowering(_call_p, _lowering_cpu, platform="cpu")
