@@ -79,3 +79,22 @@ def test_communicators_made_and_dropped_leak_nothing(rng):
     after = (fds(), threads())
     print(f"soak: 50 Communicators: fds {before[0]} -> {after[0]}, threads {before[1]} -> {after[1]}")
     assert after == before
+
+
+def test_a_dropped_communicator_frees_its_buffers_at_once():
+    """No reference cycle between a Communicator and its backend: dropping it frees the native state right away,
+    without waiting for the cyclic garbage collector."""
+    import gc
+
+    from jax_moe import _core
+
+    gc.collect()
+    base = _core.cpu.live_comms()
+    comm = jax_moe.Communicator(jax_moe.MoEConfig(4, 2, 128, 4), mesh_of(2), "ep", backend="cpu")
+    assert _core.cpu.live_comms() == base + 1
+    gc.disable()
+    try:
+        del comm
+        assert _core.cpu.live_comms() == base
+    finally:
+        gc.enable()

@@ -8,6 +8,7 @@ backend because the row layout of `Dispatched.expert_x` is fixed by the contract
 from __future__ import annotations
 
 import abc
+import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
 import jax
@@ -24,7 +25,9 @@ class Backend(abc.ABC):
     rounds_in_flight: Optional[int] = None
 
     def __init__(self, comm: "Communicator"):
-        self.comm = comm
+        # A proxy, not a reference: the Communicator owns its backend, and a cycle between them would keep the native
+        # buffers alive until the cyclic garbage collector runs, instead of freeing them when the user drops it.
+        self.comm = weakref.proxy(comm)
         self.cfg = comm.cfg
 
     # --- the four halves ------------------------------------------------------------------------------------------

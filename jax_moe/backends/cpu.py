@@ -46,6 +46,16 @@ def _register_targets() -> None:
         _registered = True
 
 
+def _release(slot: int) -> None:
+    """Frees a dropped Communicator's CpuComm once the programs already dispatched (asynchronously) have run: they
+    may still call into it."""
+    try:
+        jax.effects_barrier()
+    except Exception:  # noqa: BLE001 - a failed program was reported where its results were awaited
+        pass
+    _core().cpu.release(slot)
+
+
 def timestamp(a: jax.Array, dep: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(a, t): `a` passed through (aliased) and the host clock in ns as uint32 [low, high], taken once `a` and `dep`
     are ready. Feed the returned `a` to the next operation so that it runs after the stamp. Used by the benchmark."""
@@ -102,7 +112,8 @@ class CpuBackend(Backend):
         core = _core()
         core.cpu.release(self.slot)  # a slot reused after 2**18 Communicators
         core.cpu.create(self.slot, self.shape, table, process, self.timeout_s, self.provider)
-        weakref.finalize(comm, core.cpu.release, self.slot)
+        # At exit the binding's own hook releases every CpuComm (after waiting for running programs).
+        weakref.finalize(comm, _release, self.slot).atexit = False
         processes = sorted({row[1] for row in table})
         hosts = [""] * (max(processes) + 1)
         hosts[process] = socket.gethostname()
