@@ -40,6 +40,7 @@ def dispatch_send(comm: "Communicator", x: jax.Array, topk_idx: jax.Array,
     """Start the dispatch of x [T, hidden] to the experts in topk_idx [T, R] (int32, -1 = masked)."""
     validate.check_dispatch(comm, "dispatch_send", x, topk_idx, x_scale)
     scale = None if x_scale is None else jax.lax.stop_gradient(x_scale)
+    rounds.check_open(comm, "dispatch", "dispatch_send")
     state = comm.backend.dispatch_send(jax.lax.stop_gradient(x), scale, topk_idx)
     rounds.opened(comm, "dispatch", state, "dispatch_send")
     return DispatchHandle(x, x_scale, topk_idx, state, comm.id)
@@ -91,6 +92,7 @@ _dispatch_recv.defvjp(_dispatch_recv_fwd, _dispatch_recv_bwd)
 def combine_send(comm: "Communicator", expert_y: jax.Array, d: Dispatched) -> CombineHandle:
     """Start returning expert outputs (layout of d.expert_x, combine_dtype) to the tokens' owners."""
     validate.check_expert_y(comm, "combine_send", expert_y, d)
+    rounds.check_open(comm, "combine", "combine_send")
     state = comm.backend.combine_send(jax.lax.stop_gradient(expert_y), d._route, d._topk_idx)
     rounds.opened(comm, "combine", state, "combine_send")
     return CombineHandle(expert_y, d, state, comm.id)

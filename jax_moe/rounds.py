@@ -3,12 +3,14 @@
 The native backends' calls run in program order (jax_moe/backends/ffi_call.py), so any number of rounds works as
 long as, at every point of the program, no more rounds of one direction are open (sent, not yet received) than the
 backend has buffers for (`Backend.rounds_in_flight`): one on "cuda", the receive lanes on "cpu". A program that opens
-more would wait for a receive that comes later in the same order; it is refused here, when it is traced, with an
-error that says what to do. A handle received twice is refused too (it would hand out the same round twice and put
-every later round out of step).
+more would wait for a receive that comes later in the same order; it is refused here, when it is traced, before the
+send is bound, with an error that says what to do. A handle received twice in one traced function is refused too (it
+would hand out the same round twice and put every later round out of step).
 
-Counting is per traced function (the JAX trace the halves are called in); a handle received in another trace than
-the one that sent it is found there too.
+Counting is per traced function (the JAX trace the halves are called in). A handle that enters a nested trace (a
+loop carry, a cond operand, a nested jit) arrives there as another tracer: its receive then closes the oldest open
+round of that Communicator and direction, wherever it was opened. What tracing cannot see (handles kept across
+programs) the native backends check when they run.
 """
 from __future__ import annotations
 
@@ -21,11 +23,11 @@ from jax._src import core  # private: the current trace, to count per traced fun
 if TYPE_CHECKING:
     from jax_moe.communicator import Communicator
 
-# trace -> {(comm id, direction): {handle key: what opened it}}
-_open: "weakref.WeakKeyDictionary[Any, dict[tuple[int, str], dict[int, str]]]" = weakref.WeakKeyDictionary()
-# handle key -> (trace, comm id, direction), for receives in another trace; and keys already received
-_where: "dict[int, tuple[weakref.ref, int, str]]" = {}
-_received: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+# trace -> {(comm id, direction): {id(handle key): (handle key, what opened it)}}, in opening order
+_open: "weakref.WeakKeyDictionary[Any, dict[tuple[int, str], dict[int, tuple[Any, str]]]]" = \
+    weakref.WeakKeyDictionary()
+# trace -> {id(handle key): handle key} received in that trace
+_received: "weakref.WeakKeyDictionary[Any, dict[int, Any]]" = weakref.WeakKeyDictionary()
 
 
 def _trace() -> Any:
@@ -38,37 +40,46 @@ def _key(state: Any) -> Optional[Any]:
     return leaves[0] if leaves and isinstance(leaves[0], core.Tracer) else None
 
 
+def check_open(comm: "Communicator", direction: str, op: str) -> None:
+    """Before a send half of `direction` ("dispatch" or "combine") is bound: refuses it if the backend's buffers for
+    that direction are all held by rounds this traced function opened and has not received."""
+    limit = comm.backend.rounds_in_flight
+    table = _open.get(_trace(), {}).get((comm.id, direction), {})
+    if limit is None or len(table) < limit:
+        return
+    raise RuntimeError(
+        f"jax_moe.{op}: {len(table)} {direction} round(s) of this Communicator are already open here (sent, not yet "
+        f"received: {', '.join(what for _, what in table.values())}); backend {comm.backend_name!r} holds {limit} at "
+        f"a time, and its calls run in program order, so this send would wait for a receive that comes after it. "
+        f"Call {direction}_recv on the earlier handle first, or use another Communicator for this round.")
+
+
 def opened(comm: "Communicator", direction: str, state: Any, op: str) -> None:
-    """A send half of `direction` ("dispatch" or "combine") was traced; `state` is what its receive consumes."""
+    """A send half was bound; `state` is what its receive consumes."""
     key = _key(state)
     if key is None:  # evaluated eagerly: nothing can be reordered
         return
-    limit = comm.backend.rounds_in_flight
-    trace = _trace()
-    table = _open.setdefault(trace, {}).setdefault((comm.id, direction), {})
-    if limit is not None and len(table) >= limit:
-        raise RuntimeError(
-            f"jax_moe.{op}: {len(table)} {direction} round(s) of this Communicator are already open here (sent, "
-            f"not yet received: {', '.join(table.values())}); backend {comm.backend_name!r} holds {limit} at a "
-            f"time, and its calls run in program order, so this send would wait for a receive that comes after "
-            f"it. Call {direction}_recv on the earlier handle first, or use another Communicator for this round.")
-    table[id(key)] = f"{op} #{len(table) + 1}"
-    _where[id(key)] = (weakref.ref(trace), comm.id, direction)
-    weakref.finalize(key, _where.pop, id(key), None)
+    table = _open.setdefault(_trace(), {}).setdefault((comm.id, direction), {})
+    table[id(key)] = (key, f"{op} #{len(table) + 1}")
 
 
 def closed(comm: "Communicator", direction: str, state: Any, op: str) -> None:
-    """The receive half of the round whose send returned `state` was traced."""
+    """The receive half of the round whose send returned `state` is about to be bound."""
     key = _key(state)
     if key is None:
         return
-    if _received.get(id(key)) is key:
+    seen = _received.setdefault(_trace(), {})
+    if seen.get(id(key)) is key:
         raise RuntimeError(f"jax_moe.{op}: this handle was already received; every {direction}_send handle is "
                            f"received exactly once (a second receive would take the next round's data)")
-    _received[id(key)] = key
-    where = _where.pop(id(key), None)
-    if where is None:
-        return
-    trace = where[0]()
-    if trace is not None:
-        _open.get(trace, {}).get((where[1], where[2]), {}).pop(id(key), None)
+    seen[id(key)] = key
+    tables = [t.get((comm.id, direction)) for t in list(_open.values())]
+    for table in tables:
+        if table and table.get(id(key), (None,))[0] is key:
+            del table[id(key)]
+            return
+    # A handle from an enclosing trace, seen here as another tracer: its round is the oldest one still open.
+    for table in tables:
+        if table:
+            del table[next(iter(table))]
+            return

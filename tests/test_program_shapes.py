@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe
@@ -92,3 +93,32 @@ def test_a_handle_received_twice_is_refused(rng, backend):
 def test_cuda_two_and_three_rounds(rng, n, fp8, rounds):
     """The pattern that hung on 2 GPUs: several rounds of one Communicator in one program, one-shot then split."""
     run_all(make("cuda", n, fp8=fp8), rng, rounds, fp8=fp8, micro=rounds)
+
+
+@pytest.mark.parametrize("backend", ["xla", "cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_handle_carried_through_a_loop_is_received_there(rng, backend):
+    """Software pipelining: round i+1 is sent before round i's results are used, the handle carried by a scan; the
+    receive inside the loop body closes the round opened outside it, so the layers after the loop are not refused."""
+    comm = make(backend, 2)
+    n, t, hidden = comm.num_ranks, comm.cfg.max_tokens, comm.cfg.hidden
+    steps = 3
+    x = rng.standard_normal((steps + 1, n * t, hidden)).astype(jnp.bfloat16)
+    idx = np.stack([np.tile(np.arange(2, dtype=np.int32), (n * t, 1)) for _ in range(steps + 1)])
+
+    def body(xs, ids):
+        def step(h, i):
+            d = comm.dispatch_recv(h)
+            nxt = comm.dispatch_send(xs[i + 1], ids[i + 1])
+            return nxt, d.expert_x.astype(jnp.float32).sum()
+
+        for _ in range(5):  # five pipelined layers: more than any backend's buffers if their rounds stayed open
+            h = comm.dispatch_send(xs[0], ids[0])
+            h, sums = jax.lax.scan(step, h, jnp.arange(steps))
+            last = comm.dispatch_recv(h).expert_x.astype(jnp.float32).sum()
+        again = comm.dispatch(xs[0], ids[0]).expert_x.astype(jnp.float32).sum()  # a later layer: not refused
+        return jnp.concatenate([sums, last[None], again[None]])[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=comm.mesh, in_specs=(P(None, "ep"), P(None, "ep")), out_specs=P("ep")))
+    got = np.asarray(f(*[jax.device_put(a, NamedSharding(comm.mesh, P(None, "ep"))) for a in (x, idx)]))
+    assert got.shape == (n, steps + 2) and np.isfinite(got).all()
+    np.testing.assert_allclose(got[:, -1], got[:, 0], rtol=1e-6)  # round 0 and the later layer moved the same rows

@@ -115,7 +115,7 @@ class CpuBackend(Backend):
         # At exit the binding's own hook releases every CpuComm (after waiting for running programs).
         weakref.finalize(comm, _release, self.slot).atexit = False
         processes = sorted({row[1] for row in table})
-        hosts = [""] * (max(processes) + 1)
+        hosts = [""] * (max(processes + [process]) + 1)
         hosts[process] = socket.gethostname()
         if len(processes) > 1:
             hosts = self._connect(processes, process, hosts)
