@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe.backends.base import Backend
-from jax_moe.backends.ffi_call import ffi_call
+from jax_moe.backends.ffi_call import ffi_call, wait_for_programs
 
 if TYPE_CHECKING:
     from jax_moe.communicator import Communicator
@@ -49,10 +49,7 @@ def _register_targets() -> None:
 def _release(slot: int) -> None:
     """Frees a dropped Communicator's CpuComm once the programs already dispatched (asynchronously) have run: they
     may still call into it."""
-    try:
-        jax.effects_barrier()
-    except Exception:  # noqa: BLE001 - a failed program was reported where its results were awaited
-        pass
+    wait_for_programs()
     _core().cpu.release(slot)
 
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe.backends.base import Backend
-from jax_moe.backends.ffi_call import ffi_call
+from jax_moe.backends.ffi_call import ffi_call, wait_for_programs
 
 _registered = False
 _lock = threading.Lock()
@@ -87,6 +87,13 @@ def timestamp(a: jax.Array, dep: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jax.ffi.ffi_call(_target("timestamp"),
                             (jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct((1,), jnp.uint64)),
                             has_side_effect=True, input_output_aliases={0: 0})(a, dep)
+
+
+def _destroy(mod, group: int) -> None:
+    """Frees a dropped Communicator's buffers once the programs already dispatched (asynchronously) have run: a
+    handler called after destroy_group would find no buffers."""
+    wait_for_programs()
+    mod.destroy_group(group)
 
 
 def _kv_client():
@@ -154,7 +161,7 @@ class CudaBackend(Backend):
         self._group = int(comm.id)
         self.bytes_per_device = buffer_bytes(cfg, self._n)
         # Registered before connecting, so a failed connect (an unsupported peer, say) still frees the buffers.
-        finalizer = weakref.finalize(self, self._mod.destroy_group, self._group)
+        finalizer = weakref.finalize(self, _destroy, self._mod, self._group)
         finalizer.atexit = False  # at exit the process goes away with its CUDA context
         self._connect()
 

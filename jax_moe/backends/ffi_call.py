@@ -94,6 +94,16 @@ def _keep_no_runtime_token() -> None:
     cls.set_token_result = set_token_result
 
 
+def wait_for_programs() -> None:
+    """Waits for the programs this thread has dispatched (asynchronously) to finish: a Communicator's native state
+    must outlive the programs that call into it. Errors of failed programs were reported where their results were
+    awaited."""
+    try:
+        jax.effects_barrier()
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def _drain_runtime_tokens() -> None:
     """At exit, before jax's own hook (atexit runs hooks in reverse order): wait for every device's last program one
     by one and forget them. jax's hook stops at the first program that failed and prints its error again as an

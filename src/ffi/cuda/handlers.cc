@@ -87,6 +87,7 @@ ffi::Error CheckRows(const char* what, ffi::Span<const int64_t> dims, int64_t ro
   return ffi::Error::Success();
 }
 
+template <bool kGraph>
 ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t group, bool has_scale, ffi::AnyBuffer x,
                             ffi::AnyBuffer x_scale, ffi::Buffer<ffi::S32> topk_idx,
                             ffi::Result<ffi::Buffer<ffi::S32>> handle) {
@@ -108,15 +109,18 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t group,
   if (idims.size() != 2 || idims[0] != tokens || idims[1] != a.s.r)
     return ffi::Error::InvalidArgument("jax_moe cuda: topk_idx must be [T, experts_per_token]");
   if (auto e = CheckHandle(handle->element_count()); e.failure()) return e;
-  if (auto e = CheckStreamFree(*dev, 0, "dispatch_send"); e.failure()) return e;
+  if constexpr (!kGraph) {
+    if (auto e = CheckStreamFree(*dev, 0, "dispatch_send"); e.failure()) return e;
+  }
   ffi::Error launched = Launched(LaunchDispatchSend(a, static_cast<int>(tokens), x.untyped_data(),
                                                     has_scale ? x_scale.untyped_data() : nullptr,
                                                     topk_idx.typed_data(), handle->typed_data(), stream),
                                  "dispatch_send");
-  if (launched.success()) dev->open_rounds[0].fetch_add(1, std::memory_order_relaxed);
+  if (!kGraph && launched.success()) dev->open_rounds[0].fetch_add(1, std::memory_order_relaxed);
   return launched;
 }
 
+template <bool kGraph>
 ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group, bool has_scale,
                             ffi::Buffer<ffi::S32> handle, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
                             ffi::Result<ffi::AnyBuffer> expert_x,
@@ -156,10 +160,11 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group,
                                   has_scale ? expert_x_scale->untyped_data() : nullptr, counts->typed_data(),
                                   route->typed_data(), stream),
                "dispatch_recv");
-  if (launched.success()) dev->open_rounds[0].fetch_sub(1, std::memory_order_relaxed);
+  if (!kGraph && launched.success()) dev->open_rounds[0].fetch_sub(1, std::memory_order_relaxed);
   return earlier.empty() ? std::move(launched) : ToFfi(earlier);
 }
 
+template <bool kGraph>
 ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t group, int64_t channel, ffi::AnyBuffer expert_y,
                            ffi::Buffer<ffi::S32> route, ffi::Result<ffi::Buffer<ffi::S32>> handle) {
   std::shared_ptr<const DeviceGroup> dev;
@@ -173,14 +178,17 @@ ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t group, 
   if (route.element_count() != size_t(rows + 1)) return ffi::Error::InvalidArgument("jax_moe cuda: bad route");
   if (channel < 0 || channel >= kCombineChannels) return ffi::Error::InvalidArgument("jax_moe cuda: bad channel");
   if (auto e = CheckHandle(handle->element_count()); e.failure()) return e;
-  if (auto e = CheckStreamFree(*dev, 1 + static_cast<int>(channel), "combine_send"); e.failure()) return e;
+  if constexpr (!kGraph) {
+    if (auto e = CheckStreamFree(*dev, 1 + static_cast<int>(channel), "combine_send"); e.failure()) return e;
+  }
   ffi::Error launched = Launched(LaunchCombineSend(a, static_cast<int>(channel), expert_y.untyped_data(),
                                                    route.typed_data(), handle->typed_data(), stream),
                                  "combine_send");
-  if (launched.success()) dev->open_rounds[1 + channel].fetch_add(1, std::memory_order_relaxed);
+  if (!kGraph && launched.success()) dev->open_rounds[1 + channel].fetch_add(1, std::memory_order_relaxed);
   return launched;
 }
 
+template <bool kGraph>
 ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group, int64_t channel,
                            ffi::Buffer<ffi::S32> handle,
                            ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> topk_idx,
@@ -207,11 +215,12 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group, 
                                                    topk_weights.typed_data(), topk_idx.typed_data(),
                                                    expert_y.untyped_data(), out->untyped_data(), stream),
                                  "combine_recv");
-  if (launched.success()) dev->open_rounds[1 + channel].fetch_sub(1, std::memory_order_relaxed);
+  if (!kGraph && launched.success()) dev->open_rounds[1 + channel].fetch_sub(1, std::memory_order_relaxed);
   return earlier.empty() ? std::move(launched) : ToFfi(earlier);
 }
 
 // Passes `a` through (aliased) and stamps the device time once everything before it on the stream has finished.
+template <bool kGraph>
 ffi::Error TimestampImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer dep, ffi::Result<ffi::AnyBuffer> a_out,
                          ffi::Result<ffi::Buffer<ffi::U64>> stamp) {
   return Launched(LaunchTimestamp(stamp->typed_data(), stream), "timestamp");
@@ -222,9 +231,11 @@ ffi::Error TimestampImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer d
 
 using namespace jax_moe::cuda;  // NOLINT: handler symbols below are extern "C"
 
-#define JAX_MOE_CUDA_HANDLERS(name, impl, binding)    \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl, binding); \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Graph, impl, binding, {ffi::Traits::kCmdBufferCompatible})
+// The graph variant counts no open rounds: a replayed command buffer does not call its handlers, so their counts
+// would drift (jax_moe.rounds still refuses the programs that would open too many).
+#define JAX_MOE_CUDA_HANDLERS(name, impl, binding)           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl<false>, binding); \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Graph, impl<true>, binding, {ffi::Traits::kCmdBufferCompatible})
 
 JAX_MOE_CUDA_HANDLERS(JaxMoeCudaDispatchSend, DispatchSendImpl,
                       ffi::Ffi::Bind()
