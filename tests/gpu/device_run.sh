@@ -26,8 +26,10 @@ stage() {  # stage NAME LIMIT_S CMD...: runs CMD with a time bound, logs to $OUT
   local tally
   tally=$(grep -E "^[0-9]+ (passed|failed)|[0-9]+ passed|[0-9]+ failed|error" "$OUT/$name.log" | tail -1)
   summary+=("SUMMARY $name: rc=$rc ($(( $(date +%s) - t0 )) s) ${tally}")
+  echo "${summary[-1]}" >> "$OUT/summary.txt"  # kept even if a later stage runs past the call's limit
 }
 
+rm -f "$OUT/summary.txt"
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 python3 -c 'import jax, flax, sys; print("python", sys.version.split()[0], "jax", jax.__version__, "flax", flax.__version__)'
 
@@ -61,6 +63,6 @@ if has demo; then  # the README's demo on the GPUs: backend "auto" picks "cuda"
   fi
 fi
 if has bench; then
-  stage bench 400 python3 -m jax_moe.bench moe --out "$OUT/bench" "$@"
+  stage bench ${BENCH_LIMIT_S:-400} python3 -m jax_moe.bench moe --out "$OUT/bench" "$@"
 fi
-printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+printf '%s\n' "${summary[@]}"
