@@ -23,11 +23,13 @@ from jax._src import core  # private: the current trace, to count per traced fun
 if TYPE_CHECKING:
     from jax_moe.communicator import Communicator
 
-# trace -> {(comm id, direction): {id(handle key): (handle key, what opened it)}}, in opening order
-_open: "weakref.WeakKeyDictionary[Any, dict[tuple[int, str], dict[int, tuple[Any, str]]]]" = \
+# trace -> {(comm id, direction): {id(handle key): (weak ref to the key, what opened it)}}, in opening order. Only
+# weak references to tracers: a tracer refers to its trace, so a strong one would keep every trace (and what its
+# jaxpr holds, Communicators included) alive for good.
+_open: "weakref.WeakKeyDictionary[Any, dict[tuple[int, str], dict[int, tuple[weakref.ref, str]]]]" = \
     weakref.WeakKeyDictionary()
-# trace -> {id(handle key): handle key} received in that trace
-_received: "weakref.WeakKeyDictionary[Any, dict[int, Any]]" = weakref.WeakKeyDictionary()
+# trace -> {id(handle key): weak ref to the key} received in that trace
+_received: "weakref.WeakKeyDictionary[Any, dict[int, weakref.ref]]" = weakref.WeakKeyDictionary()
 
 
 def _trace() -> Any:
@@ -60,7 +62,7 @@ def opened(comm: "Communicator", direction: str, state: Any, op: str) -> None:
     if key is None:  # evaluated eagerly: nothing can be reordered
         return
     table = _open.setdefault(_trace(), {}).setdefault((comm.id, direction), {})
-    table[id(key)] = (key, f"{op} #{len(table) + 1}")
+    table[id(key)] = (weakref.ref(key), f"{op} #{len(table) + 1}")
 
 
 def closed(comm: "Communicator", direction: str, state: Any, op: str) -> None:
@@ -69,13 +71,14 @@ def closed(comm: "Communicator", direction: str, state: Any, op: str) -> None:
     if key is None:
         return
     seen = _received.setdefault(_trace(), {})
-    if seen.get(id(key)) is key:
+    if (ref := seen.get(id(key))) is not None and ref() is key:
         raise RuntimeError(f"jax_moe.{op}: this handle was already received; every {direction}_send handle is "
                            f"received exactly once (a second receive would take the next round's data)")
-    seen[id(key)] = key
+    seen[id(key)] = weakref.ref(key)
     tables = [t.get((comm.id, direction)) for t in list(_open.values())]
     for table in tables:
-        if table and table.get(id(key), (None,))[0] is key:
+        entry = table.get(id(key)) if table else None
+        if entry is not None and entry[0]() is key:
             del table[id(key)]
             return
     # A handle from an enclosing trace, seen here as another tracer: its round is the oldest one still open.
