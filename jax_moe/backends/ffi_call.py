@@ -95,24 +95,27 @@ def _keep_no_runtime_token() -> None:
 
 
 def wait_for_programs() -> None:
-    """Waits for the programs this thread has dispatched (asynchronously) to finish, each device's last one alone: a
-    Communicator's native state must outlive the programs that call into it. jax.effects_barrier() would stop at the
-    first program that failed; that error was reported where the program's results were awaited."""
+    """Waits for the programs this thread has dispatched (asynchronously) to finish: a Communicator's native state
+    must outlive the programs that call into it. Errors of failed programs were reported where their results were
+    awaited."""
+    try:
+        jax.effects_barrier()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _drain_runtime_tokens() -> None:
+    """At exit, before jax's own hook (atexit runs hooks in reverse order): wait for every device's last program one
+    by one and forget them. jax's hook stops at the first program that failed and prints its error again as an
+    'Exception ignored in atexit callback' traceback; a failed jax_moe call was already reported where its result
+    was awaited."""
     tokens = dispatch.runtime_tokens
-    for token in [*getattr(tokens, "current_tokens", {}).values(),
-                  *getattr(tokens, "output_runtime_tokens", {}).values()]:
+    for token in list(getattr(tokens, "output_runtime_tokens", {}).values()):
         try:
             token.block_until_ready()
         except Exception:  # noqa: BLE001 - reported where the program's results were awaited
             pass
-
-
-def _drain_runtime_tokens() -> None:
-    """At exit, before jax's own hook (atexit runs hooks in reverse order): wait for the programs and forget them.
-    jax's hook stops at the first program that failed and prints its error again as an 'Exception ignored in atexit
-    callback' traceback."""
-    wait_for_programs()
-    clear = getattr(dispatch.runtime_tokens, "clear", None)
+    clear = getattr(tokens, "clear", None)
     if clear is not None:
         clear()
 
@@ -162,5 +165,5 @@ def ffi_call(target: str, results: Any, *args: jax.Array, axes: Iterable[str] = 
     result_avals = tuple(core.ShapedArray(s.shape, s.dtype) for s in specs)
     outs = _call_p.bind(*args, target=target, result_avals=result_avals,
                         attrs=tuple(sorted((k, _attr(v)) for k, v in attrs.items())))
-    outs = [varying(o, vary) for o in outs]
+    outs = [varying(o, vary) if vary else o for o in outs]
     return outs[0] if single else type(results)(outs)

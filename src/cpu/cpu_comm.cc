@@ -312,7 +312,6 @@ void CpuComm::Receive(Rank& me, DirectionOf dir, const int32_t* ticket, const ch
   {
     std::unique_lock<std::mutex> lock(mu_);
     std::vector<int32_t> missing;
-    const auto name = [&](int64_t p) { return Name(me, p); };
     while (!Arrived(me, dir, round, &missing)) {
       CheckHealthy();
       // A sender that failed (a bad expert id) says so in its region: fail now with its error, not at the timeout
@@ -322,12 +321,12 @@ void CpuComm::Receive(Rank& me, DirectionOf dir, const int32_t* ticket, const ch
           ++j;
           continue;
         }
-        std::string failed = SenderFailure(d, options_.shape, options_.slot, round, p, name);
+        std::string failed = SenderFailure(d, options_.shape, options_.slot, round, p, Name(me, p));
         if (!failed.empty()) Throw(ErrorCode::kInvalidArgument, failed);
       }
       if (deadline.Expired()) {
         std::string names;
-        for (int32_t p : missing) names += (names.empty() ? "" : ", ") + name(p);
+        for (int32_t p : missing) names += (names.empty() ? "" : ", ") + Name(me, p);
         Throw(ErrorCode::kTimeout,
               std::string(d.name) + " on " + Name(me, me.info.rank) + ": no data from " + names + " within " +
                   Format("%g", options_.timeout_s) + " s (round " + std::to_string(round) +

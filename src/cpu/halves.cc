@@ -40,7 +40,7 @@ std::vector<const RegionHeader*> CheckedHeaders(const CpuComm::Direction& d, con
     if (!problem.empty()) Throw(ErrorCode::kPeerFailed, std::string(d.name) + ": " + problem);
   }
   for (int64_t p = 0; p < n; ++p) {
-    std::string failed = SenderFailure(d, s, slot, round, p, name);
+    std::string failed = SenderFailure(d, s, slot, round, p, name(p));
     if (!failed.empty()) Throw(ErrorCode::kInvalidArgument, failed);
   }
   return headers;
@@ -65,11 +65,11 @@ void WriteTicket(int32_t* ticket, uint64_t round, uint32_t slot) {
 }  // namespace
 
 std::string SenderFailure(const CpuComm::Direction& d, const MoeShape& s, uint32_t slot, uint64_t round,
-                          int64_t sender, const std::function<std::string(int64_t)>& name) {
+                          int64_t sender, const std::string& who) {
   const auto* h = reinterpret_cast<const RegionHeader*>(d.Region(s.num_ranks, round, sender));
   if (!proxy::CheckHeader(*h, s, slot, round, int32_t(sender), d.has_counts).empty()) return "";
   if (h->error != int32_t(proxy::SenderError::kExpertOutOfRange)) return "";
-  return std::string(d.name) + ": " + name(sender) + " was given expert id " + std::to_string(h->error_value) +
+  return std::string(d.name) + ": " + who + " was given expert id " + std::to_string(h->error_value) +
          " in topk_idx, outside [0, " + std::to_string(s.num_experts) + ") and not -1";
 }
 

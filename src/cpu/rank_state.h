@@ -2,7 +2,6 @@
 #pragma once
 #include <atomic>
 #include <deque>
-#include <functional>
 #include <memory>
 #include <vector>
 
@@ -72,9 +71,8 @@ struct CpuComm::Rank {
 
 std::string RankList(const std::vector<int32_t>& ranks);
 // The error a sender reported in its region of `round` (an expert id out of range on that rank), or "" when none or
-// the region is not (yet) a valid one; `name(sender)` names the sender (called only when there is an error: receives
-// poll this while they wait).
+// the region is not (yet) a valid one; `who` names the sender.
 std::string SenderFailure(const CpuComm::Direction& d, const proxy::MoeShape& s, uint32_t slot, uint64_t round,
-                          int64_t sender, const std::function<std::string(int64_t)>& name);
+                          int64_t sender, const std::string& who);
 
 }  // namespace jax_moe::cpu
