@@ -154,14 +154,14 @@ class CpuBackend(Backend):
 
     # --- the four halves ------------------------------------------------------------------------------------------
     def _call(self, half: str, results, *args, **attrs):
-        return ffi_call(_TARGET.format(half), results, *args, axes=self.comm.axes, comm=np.int64(self.slot), **attrs)
+        return ffi_call(_TARGET.format(half), results, *args, axes=self.comm.axes, comm_id=np.int64(self.slot), **attrs)
 
     def _send(self, rows, x_scale, topk_idx, per_slot: bool):
         t, r = topk_idx.shape
         scale = x_scale if x_scale is not None else jnp.zeros((rows.shape[0], 0), jnp.float32)
         slot, ticket = self._call("dispatch_send", (jax.ShapeDtypeStruct((t * r,), jnp.int32),
                                                     jax.ShapeDtypeStruct((2,), jnp.int32)), rows, scale, topk_idx,
-                                  per_slot=per_slot)
+                                  per_entry=per_slot)
         return ticket, slot
 
     def _recv(self, state, topk_weights, topk_idx, reduce: bool):

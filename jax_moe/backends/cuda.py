@@ -91,9 +91,9 @@ def timestamp(a: jax.Array, dep: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _destroy(mod, group: int) -> None:
     """Frees a dropped Communicator's buffers once the programs already dispatched (asynchronously) have run: a
-    handler called after destroy_group would find no buffers."""
+    handler called after destroy_comm would find no buffers."""
     wait_for_programs()
-    mod.destroy_group(group)
+    mod.destroy_comm(group)
 
 
 def _kv_client():
@@ -180,7 +180,7 @@ class CudaBackend(Backend):
         me = jax.process_index()
         table = self._rank_table()
         local = [(int(d.local_hardware_id), r) for row in table for r, d in enumerate(row) if d.process_index == me]
-        mod.create_group(gid, self._n, self._l, cfg.experts_per_token, cfg.max_tokens, cfg.hidden,
+        mod.create_comm(gid, self._n, self._l, cfg.experts_per_token, cfg.max_tokens, cfg.hidden,
                          np.dtype(cfg.dispatch_dtype).itemsize, cfg.num_scales, np.dtype(cfg.combine_dtype).itemsize,
                          local, self.comm.timeout_s)
         remote = any(d.process_index != me for row in table for d in row)
@@ -226,7 +226,7 @@ class CudaBackend(Backend):
 
     # --- the four halves ------------------------------------------------------------------------------------------
     def _call(self, name, results, *args, **attrs):
-        return ffi_call(name, results, *args, axes=self.comm.axes, group=np.int64(self._group), **attrs)
+        return ffi_call(name, results, *args, axes=self.comm.axes, comm_id=np.int64(self._group), **attrs)
 
     def dispatch_send(self, x, x_scale, topk_idx) -> SendState:
         scale = x_scale if x_scale is not None else jnp.zeros((1, 1), jnp.float32)

@@ -4,6 +4,7 @@
 
 #include "common/error.h"
 #include "cpu/cpu_comm.h"
+#include "ffi/ffi_util.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -11,87 +12,53 @@ namespace ffi = xla::ffi;
 namespace jax_moe::ffi_handlers {
 namespace {
 
-ffi::Error ToFfi(const Error& e) {
-  const std::string msg = std::string("jax_moe: ") + e.what();
-  switch (e.code()) {
-    case ErrorCode::kInvalidArgument:
-      return ffi::Error::InvalidArgument(msg);
-    case ErrorCode::kTimeout:
-      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg);
-    case ErrorCode::kMisuse:
-      return ffi::Error(ffi::ErrorCode::kFailedPrecondition, msg);
-    case ErrorCode::kPeerFailed:
-    case ErrorCode::kUnavailable:
-    case ErrorCode::kClosed:
-      return ffi::Error(ffi::ErrorCode::kUnavailable, msg);
-    default:
-      return ffi::Error::Internal(msg);
-  }
-}
+using ffi_util::HasDims;
 
-// Runs `fn(comm)` for the Communicator `slot`, turning every exception into an ffi::Error.
+constexpr char kPrefix[] = "jax_moe: ";
+
+ffi::Error Mismatch(const char* what) { return ffi_util::Mismatch(kPrefix, what); }
+
+// Runs `fn(comm)` for the Communicator `comm_id`, turning every exception into an ffi::Error.
 template <typename Fn>
-ffi::Error WithComm(int64_t slot, Fn&& fn) {
-  auto comm = cpu::FindComm(uint32_t(slot));
+ffi::Error WithComm(int64_t comm_id, Fn&& fn) {
+  auto comm = cpu::FindComm(uint32_t(comm_id));
   if (!comm) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "jax_moe: Communicator " + std::to_string(slot) + " is not set up in this process");
+                      "jax_moe: Communicator " + std::to_string(comm_id) + " is not set up in this process");
   }
-  try {
-    fn(*comm);
-  } catch (const Error& e) {
-    return ToFfi(e);
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string("jax_moe: ") + e.what());
-  }
-  return ffi::Error::Success();
+  return ffi_util::Guarded(kPrefix, [&] { fn(*comm); });
 }
 
-template <typename B>
-bool HasDims(const B& buffer, std::initializer_list<int64_t> dims) {
-  auto d = buffer.dimensions();
-  if (d.size() != dims.size()) return false;
-  size_t i = 0;
-  for (int64_t want : dims) {
-    if (d[i++] != want) return false;
-  }
-  return true;
-}
-
-ffi::Error Mismatch(const char* what) {
-  return ffi::Error::InvalidArgument(std::string("jax_moe: ") + what + " does not match the Communicator's config");
-}
-
-ffi::Error DispatchSend(int32_t device, int64_t slot, bool per_slot, ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
-                        ffi::Buffer<ffi::S32> topk_idx, ffi::Result<ffi::Token>, ffi::Result<ffi::Buffer<ffi::S32>> slot_out,
-                        ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
-  auto comm = cpu::FindComm(uint32_t(slot));
+ffi::Error DispatchSend(int32_t device, int64_t comm_id, bool per_entry, ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
+                        ffi::Buffer<ffi::S32> topk_idx, ffi::Result<ffi::Token>, ffi::Result<ffi::Buffer<ffi::S32>> position,
+                        ffi::Result<ffi::Buffer<ffi::S32>> handle) {
+  auto comm = cpu::FindComm(uint32_t(comm_id));
   const int64_t t = topk_idx.dimensions().size() == 2 ? topk_idx.dimensions()[0] : -1;
   if (comm) {
     const auto& s = comm->options().shape;
-    const int64_t rows = per_slot ? t * s.experts_per_token : t;
+    const int64_t rows = per_entry ? t * s.experts_per_token : t;
     if (!HasDims(x, {rows, s.hidden}) || int64_t(ffi::ByteWidth(x.element_type())) != s.x_itemsize) {
       return Mismatch("x");
     }
-    if (!HasDims(x_scale, {rows, per_slot ? 0 : s.num_scales}) || x_scale.element_type() != ffi::F32) {
+    if (!HasDims(x_scale, {rows, per_entry ? 0 : s.num_scales}) || x_scale.element_type() != ffi::F32) {
       return Mismatch("x_scale");
     }
-    if (!HasDims(topk_idx, {t, s.experts_per_token}) || !HasDims(*slot_out, {t * s.experts_per_token}) ||
-        ticket->element_count() != 2) {
+    if (!HasDims(topk_idx, {t, s.experts_per_token}) || !HasDims(*position, {t * s.experts_per_token}) ||
+        handle->element_count() != 2) {
       return Mismatch("topk_idx");
     }
   }
-  return WithComm(slot, [&](cpu::CpuComm& c) {
+  return WithComm(comm_id, [&](cpu::CpuComm& c) {
     c.DispatchSend(device, static_cast<const uint8_t*>(x.untyped_data()),
-                   static_cast<const uint8_t*>(x_scale.untyped_data()), topk_idx.typed_data(), t, per_slot,
-                   slot_out->typed_data(), ticket->typed_data());
+                   static_cast<const uint8_t*>(x_scale.untyped_data()), topk_idx.typed_data(), t, per_entry,
+                   position->typed_data(), handle->typed_data());
   });
 }
 
-ffi::Error DispatchRecv(int32_t device, int64_t slot, ffi::Token, ffi::Buffer<ffi::S32> ticket,
+ffi::Error DispatchRecv(int32_t device, int64_t comm_id, ffi::Token, ffi::Buffer<ffi::S32> handle,
                          ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> expert_x, ffi::Result<ffi::AnyBuffer> expert_x_scale,
                          ffi::Result<ffi::Buffer<ffi::S32>> counts, ffi::Result<ffi::Buffer<ffi::S32>> dest) {
-  auto comm = cpu::FindComm(uint32_t(slot));
+  auto comm = cpu::FindComm(uint32_t(comm_id));
   if (comm) {
     const auto& s = comm->options().shape;
     const int64_t m = s.max_recv_rows();
@@ -99,48 +66,48 @@ ffi::Error DispatchRecv(int32_t device, int64_t slot, ffi::Token, ffi::Buffer<ff
       return Mismatch("expert_x");
     }
     if (!HasDims(*expert_x_scale, {m, s.num_scales})) return Mismatch("expert_x_scale");
-    if (!HasDims(*counts, {s.local_experts}) || !HasDims(*dest, {m}) || ticket.element_count() != 2) {
+    if (!HasDims(*counts, {s.local_experts}) || !HasDims(*dest, {m}) || handle.element_count() != 2) {
       return Mismatch("dispatch_recv outputs");
     }
   }
-  return WithComm(slot, [&](cpu::CpuComm& c) {
-    c.DispatchRecv(device, ticket.typed_data(), static_cast<uint8_t*>(expert_x->untyped_data()),
+  return WithComm(comm_id, [&](cpu::CpuComm& c) {
+    c.DispatchRecv(device, handle.typed_data(), static_cast<uint8_t*>(expert_x->untyped_data()),
                    static_cast<uint8_t*>(expert_x_scale->untyped_data()), counts->typed_data(), dest->typed_data());
   });
 }
 
-ffi::Error CombineSend(int32_t device, int64_t slot, ffi::Token, ffi::AnyBuffer expert_y, ffi::Buffer<ffi::S32> dest,
-                       ffi::Result<ffi::Token>, ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
-  auto comm = cpu::FindComm(uint32_t(slot));
+ffi::Error CombineSend(int32_t device, int64_t comm_id, ffi::Token, ffi::AnyBuffer expert_y, ffi::Buffer<ffi::S32> dest,
+                       ffi::Result<ffi::Token>, ffi::Result<ffi::Buffer<ffi::S32>> handle) {
+  auto comm = cpu::FindComm(uint32_t(comm_id));
   if (comm) {
     const auto& s = comm->options().shape;
     const int64_t m = s.max_recv_rows();
     if (!HasDims(expert_y, {m, s.hidden}) || expert_y.element_type() != ffi::BF16) return Mismatch("expert_y");
-    if (!HasDims(dest, {m}) || ticket->element_count() != 2) return Mismatch("the dispatch route");
+    if (!HasDims(dest, {m}) || handle->element_count() != 2) return Mismatch("the dispatch route");
   }
-  return WithComm(slot, [&](cpu::CpuComm& c) {
+  return WithComm(comm_id, [&](cpu::CpuComm& c) {
     c.CombineSend(device, static_cast<const uint8_t*>(expert_y.untyped_data()), dest.typed_data(),
-                  ticket->typed_data());
+                  handle->typed_data());
   });
 }
 
-ffi::Error CombineRecv(int32_t device, int64_t slot, bool reduce, ffi::Token, ffi::Buffer<ffi::S32> ticket,
-                        ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> slots,
+ffi::Error CombineRecv(int32_t device, int64_t comm_id, bool reduce, ffi::Token, ffi::Buffer<ffi::S32> handle,
+                        ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> position,
                         ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> out) {
-  auto comm = cpu::FindComm(uint32_t(slot));
+  auto comm = cpu::FindComm(uint32_t(comm_id));
   const int64_t t = topk_weights.dimensions().size() == 2 ? topk_weights.dimensions()[0] : -1;
   if (comm) {
     const auto& s = comm->options().shape;
     if (!HasDims(*out, {reduce ? t : t * s.experts_per_token, s.hidden}) || out->element_type() != ffi::BF16) {
       return Mismatch("combine output");
     }
-    if (!HasDims(topk_weights, {t, s.experts_per_token}) || !HasDims(slots, {t * s.experts_per_token}) ||
-        ticket.element_count() != 2) {
+    if (!HasDims(topk_weights, {t, s.experts_per_token}) || !HasDims(position, {t * s.experts_per_token}) ||
+        handle.element_count() != 2) {
       return Mismatch("topk_weights");
     }
   }
-  return WithComm(slot, [&](cpu::CpuComm& c) {
-    c.CombineRecv(device, ticket.typed_data(), topk_weights.typed_data(), slots.typed_data(), t, reduce,
+  return WithComm(comm_id, [&](cpu::CpuComm& c) {
+    c.CombineRecv(device, handle.typed_data(), topk_weights.typed_data(), position.typed_data(), t, reduce,
                   static_cast<uint8_t*>(out->untyped_data()));
   });
 }
@@ -153,8 +120,8 @@ namespace h = jax_moe::ffi_handlers;
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCpuDispatchSend, h::DispatchSend,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("comm")
-                                  .Attr<bool>("per_slot")
+                                  .Attr<int64_t>("comm_id")
+                                  .Attr<bool>("per_entry")
                                   .Arg<ffi::Token>()  // program order (jax_moe/backends/ffi_call.py)
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
@@ -166,7 +133,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCpuDispatchSend, h::DispatchSend,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCpuDispatchRecv, h::DispatchRecv,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("comm_id")
                                   .Arg<ffi::Token>()  // program order (jax_moe/backends/ffi_call.py)
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Token>()
@@ -178,7 +145,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCpuDispatchRecv, h::DispatchRecv,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCpuCombineSend, h::CombineSend,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("comm_id")
                                   .Arg<ffi::Token>()  // program order (jax_moe/backends/ffi_call.py)
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -188,7 +155,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCpuCombineSend, h::CombineSend,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCpuCombineRecv, h::CombineRecv,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("comm_id")
                                   .Attr<bool>("reduce")
                                   .Arg<ffi::Token>()  // program order (jax_moe/backends/ffi_call.py)
                                   .Arg<ffi::Buffer<ffi::S32>>()

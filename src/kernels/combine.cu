@@ -19,32 +19,32 @@ __global__ void __launch_bounds__(kThreads)
   const unsigned long long epoch = Local(a)->epoch[half] + 1;
   TraceBlock0(a, half, epoch, kTraceStart);
   // The token owners must have summed the previous epoch before their combine areas are overwritten.
-  if (threadIdx.x < s.n)
+  if (threadIdx.x < s.num_ranks)
     WaitAtLeast(a, Flags(a.base, a, ack) + threadIdx.x, epoch - 1, ack * kWaitStride + threadIdx.x);
   __syncthreads();
   TraceBlock0(a, half, epoch, kTraceWaited);
-  const long long rows = s.max_recv_rows(), slots = s.slots();
+  const long long rows = s.max_recv_rows(), slots = s.entries();
   long long total = route[rows];
   total = total < 0 ? 0 : (total > rows ? rows : total);
   const int lane = threadIdx.x & 31;
-  const int chunks = ChunksOf(s.y_bytes);
+  const int chunks = ChunksOf(s.combine_row_bytes());
   const long long items = total * chunks;
   for (long long item = blockIdx.x * kWarps + (threadIdx.x >> 5); item < items; item += gridDim.x * kWarps) {
     const long long i = item / chunks;
     const int off = static_cast<int>(item - i * chunks) * kChunkBytes;
     const int from = route[i];
     const int q = static_cast<int>(from / slots);
-    if (from < 0 || q >= s.n) continue;
+    if (from < 0 || q >= s.num_ranks) continue;
     const long long tk = from - q * slots;
-    if (q == s.rank) {  // this rank's own slot: combine_recv reads the row from expert_y, only its index moves
+    if (q == a.rank) {  // this rank's own slot: combine_recv reads the row from expert_y, only its index moves
       if (off == 0 && lane == 0) reinterpret_cast<int32_t*>(a.base + a.lay.self)[ch * slots + tk] = static_cast<int32_t>(i);
       continue;
     }
-    const int bytes = s.y_bytes - off < kChunkBytes ? s.y_bytes - off : kChunkBytes;
-    WarpCopy16(Peer(a, q) + a.lay.comb + (ch * slots + tk) * s.y_bytes + off, y + i * s.y_bytes + off, bytes, lane);
+    const int bytes = s.combine_row_bytes() - off < kChunkBytes ? s.combine_row_bytes() - off : kChunkBytes;
+    WarpCopy16(Peer(a, q) + a.lay.comb + (ch * slots + tk) * s.combine_row_bytes() + off, y + i * s.combine_row_bytes() + off, bytes, lane);
   }
   FinishBlock(a, half, [&](LocalSync* ls) {
-    for (int p = 0; p < s.n; ++p) StoreReleaseSys(Flags(Peer(a, p), a, flag) + s.rank, epoch);
+    for (int p = 0; p < s.num_ranks; ++p) StoreReleaseSys(Flags(Peer(a, p), a, flag) + a.rank, epoch);
     ls->epoch[half] = epoch;
     handle[0] = static_cast<int32_t>(epoch);
     handle[1] = handle[2] = handle[3] = 0;
@@ -56,30 +56,30 @@ __global__ void __launch_bounds__(kRecvThreads)
                       uint8_t* out) {
   extern __shared__ uint8_t smem[];
   const uint8_t** src = reinterpret_cast<const uint8_t**>(smem);  // [R] row of slot k (comb area or expert_y)
-  float* wk = reinterpret_cast<float*>(smem + sizeof(void*) * a.s.r);  // [R] weight of slot k, 0 if nothing sent
+  float* wk = reinterpret_cast<float*>(smem + sizeof(void*) * a.s.experts_per_token);  // [R] weight of slot k, 0 if nothing sent
   const MoeShape& s = a.s;
   const int half = kCombineRecv + 2 * ch, flag = kCombineFlag + 2 * ch, ack = kCombineAck + 2 * ch;
   const unsigned long long epoch = Local(a)->epoch[half] + 1;
   TraceBlock0(a, half, epoch, kTraceStart);
-  if (threadIdx.x < s.n) WaitAtLeast(a, Flags(a.base, a, flag) + threadIdx.x, epoch, flag * kWaitStride + threadIdx.x);
+  if (threadIdx.x < s.num_ranks) WaitAtLeast(a, Flags(a.base, a, flag) + threadIdx.x, epoch, flag * kWaitStride + threadIdx.x);
   __syncthreads();
   TraceBlock0(a, half, epoch, kTraceWaited);
-  const uint8_t* comb = a.base + a.lay.comb + static_cast<size_t>(ch) * s.slots() * s.y_bytes;
-  const int vecs = s.y_bytes >> 4;  // 8 bf16 per 16-byte vector
+  const uint8_t* comb = a.base + a.lay.comb + static_cast<size_t>(ch) * s.entries() * s.combine_row_bytes();
+  const int vecs = s.combine_row_bytes() >> 4;  // 8 bf16 per 16-byte vector
   const int pieces = (vecs + kRecvThreads - 1) / kRecvThreads;
   // One item = one token's vectors [piece * 128, piece * 128 + 128): each thread sums one vector over the R slots,
   // with 8 slots' loads in flight at once.
   for (int item = blockIdx.x; item < tokens * pieces; item += gridDim.x) {
     const int t = item / pieces;
     const int c = (item - t * pieces) * kRecvThreads + threadIdx.x;
-    for (int k = threadIdx.x; k < s.r; k += blockDim.x) {
-      const int g = SentExpert(idx + static_cast<size_t>(t) * s.r, k, s.experts());
-      const size_t slot = static_cast<size_t>(t) * s.r + k;
+    for (int k = threadIdx.x; k < s.experts_per_token; k += blockDim.x) {
+      const int g = SentExpert(idx + static_cast<size_t>(t) * s.experts_per_token, k, s.num_experts);
+      const size_t slot = static_cast<size_t>(t) * s.experts_per_token + k;
       float wt = g >= 0 ? w[slot] : 0.f;
-      const uint8_t* row = comb + slot * s.y_bytes;
-      if (g >= 0 && g / s.l == s.rank) {
-        const int32_t i = reinterpret_cast<const int32_t*>(a.base + a.lay.self)[ch * s.slots() + slot];
-        if (i >= 0 && i < s.max_recv_rows()) row = y + static_cast<size_t>(i) * s.y_bytes; else wt = 0.f;
+      const uint8_t* row = comb + slot * s.combine_row_bytes();
+      if (g >= 0 && g / s.local_experts == a.rank) {
+        const int32_t i = reinterpret_cast<const int32_t*>(a.base + a.lay.self)[ch * s.entries() + slot];
+        if (i >= 0 && i < s.max_recv_rows()) row = y + static_cast<size_t>(i) * s.combine_row_bytes(); else wt = 0.f;
       }
       wk[k] = wt;
       src[k] = row;
@@ -87,13 +87,13 @@ __global__ void __launch_bounds__(kRecvThreads)
     __syncthreads();
     if (c < vecs) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int k0 = 0; k0 < s.r; k0 += 8) {
+      for (int k0 = 0; k0 < s.experts_per_token; k0 += 8) {
         int4 v[8];
         float wt[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
           const int k = k0 + u;
-          wt[u] = k < s.r ? wk[k] : 0.f;
+          wt[u] = k < s.experts_per_token ? wk[k] : 0.f;
           // Masked slots hold stale rows: never read them into the sum.
           if (wt[u] != 0.f)
             v[u] = LoadCg(reinterpret_cast<const int4*>(src[k]) + c);
@@ -114,13 +114,13 @@ __global__ void __launch_bounds__(kRecvThreads)
       __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
       for (int j = 0; j < 4; ++j) oh[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-      reinterpret_cast<int4*>(out + static_cast<size_t>(t) * s.y_bytes)[c] = o;
+      reinterpret_cast<int4*>(out + static_cast<size_t>(t) * s.combine_row_bytes())[c] = o;
     }
     __syncthreads();
   }
   FinishBlock(a, half, [&](LocalSync* ls) {
     ls->epoch[half] = epoch;
-    for (int p = 0; p < s.n; ++p) StoreReleaseSys(Flags(Peer(a, p), a, ack) + s.rank, epoch);
+    for (int p = 0; p < s.num_ranks; ++p) StoreReleaseSys(Flags(Peer(a, p), a, ack) + a.rank, epoch);
   });
 }
 
@@ -131,17 +131,17 @@ __global__ void TimestampKernel(uint64_t* out) { out[0] = GlobalTimer(); }
 cudaError_t LaunchCombineSend(const KernelArgs& a, int channel, const void* expert_y, const int32_t* route,
                               int32_t* handle, cudaStream_t stream) {
   // A warp per 4 KiB piece of a row (the rows received are not known on the host): every SM takes part.
-  const int grid = GridFor(a.s.max_recv_rows() * ChunksOf(a.s.y_bytes), kWarps, a.num_sms);
+  const int grid = GridFor(a.s.max_recv_rows() * ChunksOf(a.s.combine_row_bytes()), kWarps, a.num_sms);
   CombineSendKernel<<<grid, kThreads, 0, stream>>>(a, channel, static_cast<const uint8_t*>(expert_y), route, handle);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchCombineRecv(const KernelArgs& a, int channel, int tokens, const float* topk_weights,
                               const int32_t* topk_idx, const void* expert_y, void* out, cudaStream_t stream) {
-  const int pieces = ((a.s.y_bytes >> 4) + kRecvThreads - 1) / kRecvThreads;
+  const int pieces = ((a.s.combine_row_bytes() >> 4) + kRecvThreads - 1) / kRecvThreads;
   long long items = static_cast<long long>(tokens) * pieces;
   const int grid = static_cast<int>(items < 1 ? 1 : (items > 16LL * a.num_sms ? 16LL * a.num_sms : items));
-  const size_t smem = (sizeof(void*) + sizeof(float)) * a.s.r;
+  const size_t smem = (sizeof(void*) + sizeof(float)) * a.s.experts_per_token;
   CombineRecvKernel<<<grid, kRecvThreads, smem, stream>>>(a, channel, tokens, topk_weights, topk_idx,
                                                          static_cast<const uint8_t*>(expert_y),
                                                          static_cast<uint8_t*>(out));

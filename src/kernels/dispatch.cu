@@ -20,7 +20,7 @@ __global__ void __launch_bounds__(kThreads)
     DispatchSendKernel(KernelArgs a, int tokens, const uint8_t* x, const uint8_t* xs, const int32_t* idx,
                        int32_t* handle) {
   const MoeShape& s = a.s;
-  const int experts = s.experts(), r = s.r, n = s.n;
+  const int experts = s.num_experts, r = s.experts_per_token, n = s.num_ranks;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned long long epoch = Local(a)->epoch[kDispatchSend] + 1;
   __shared__ int warp_count[kWarps];
@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(kThreads)
 
   // Copies first: their stores drain over NVLink while the block goes on with the scans. One warp per 4 KiB piece
   // of a (token, rank) pair, in warp-major order so the copies spread over every block (and SM) even when few.
-  const int chunks = ChunksOf(s.x_bytes);
+  const int chunks = ChunksOf(s.x_bytes());
   const long long items = static_cast<long long>(tokens) * n * chunks;
   for (long long item = warp * gridDim.x + blockIdx.x; item < items; item += gridDim.x * kWarps) {
     const int pair = static_cast<int>(item / chunks);
@@ -50,19 +50,19 @@ __global__ void __launch_bounds__(kThreads)
     bool here = false;
     if (lane < r) {
       const int g = idx[static_cast<size_t>(t) * r + lane];
-      here = g >= 0 && g < experts && g / s.l == p;
+      here = g >= 0 && g < experts && g / s.local_experts == p;
     }
-    if (p == s.rank || !__any_sync(0xffffffffu, here)) continue;  // own tokens: dispatch_recv reads them from x
-    uint8_t* dst = Peer(a, p) + a.lay.tokens + (static_cast<size_t>(s.rank) * s.max_tokens + t) * s.rec_bytes;
-    const int bytes = s.x_bytes - off < kChunkBytes ? s.x_bytes - off : kChunkBytes;
-    WarpCopy16(dst + off, x + static_cast<size_t>(t) * s.x_bytes + off, bytes, lane);
-    if (xs && off == 0) WarpCopy4(dst + s.x_bytes, xs + static_cast<size_t>(t) * s.scale_bytes, s.scale_bytes, lane);
+    if (p == a.rank || !__any_sync(0xffffffffu, here)) continue;  // own tokens: dispatch_recv reads them from x
+    uint8_t* dst = Peer(a, p) + a.lay.tokens + (static_cast<size_t>(a.rank) * s.max_tokens + t) * s.dispatch_row_bytes();
+    const int bytes = s.x_bytes() - off < kChunkBytes ? s.x_bytes() - off : kChunkBytes;
+    WarpCopy16(dst + off, x + static_cast<size_t>(t) * s.x_bytes() + off, bytes, lane);
+    if (xs && off == 0) WarpCopy4(dst + s.x_bytes(), xs + static_cast<size_t>(t) * s.scale_bytes(), s.scale_bytes(), lane);
   }
 
   for (int g = blockIdx.x; g < experts; g += gridDim.x) {
-    const int p = g / s.l, e = g - p * s.l;
+    const int p = g / s.local_experts, e = g - p * s.local_experts;
     uint8_t* peer = Peer(a, p);
-    int32_t* list = reinterpret_cast<int32_t*>(peer + a.lay.list) + (static_cast<size_t>(s.rank) * s.l + e) * s.max_tokens;
+    int32_t* list = reinterpret_cast<int32_t*>(peer + a.lay.list) + (static_cast<size_t>(a.rank) * s.local_experts + e) * s.max_tokens;
     int running = 0;
     for (int base = 0; base < tokens; base += kThreads) {
       const int t = base + threadIdx.x;
@@ -86,11 +86,11 @@ __global__ void __launch_bounds__(kThreads)
       running += total;
       __syncthreads();
     }
-    if (threadIdx.x == 0) reinterpret_cast<int32_t*>(peer + a.lay.counts)[s.rank * s.l + e] = running;
+    if (threadIdx.x == 0) reinterpret_cast<int32_t*>(peer + a.lay.counts)[a.rank * s.local_experts + e] = running;
   }
 
   FinishBlock(a, kDispatchSend, [&](LocalSync* ls) {
-    for (int p = 0; p < n; ++p) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchFlag) + s.rank, epoch);
+    for (int p = 0; p < n; ++p) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchFlag) + a.rank, epoch);
     ls->epoch[kDispatchSend] = epoch;
     handle[0] = static_cast<int32_t>(epoch);
     handle[1] = handle[2] = handle[3] = 0;
@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kThreads)
                        int32_t* ocounts, int32_t* route) {
   extern __shared__ int smem[];
   const MoeShape& s = a.s;
-  const int n = s.n, l = s.l, blocks = s.experts();
+  const int n = s.num_ranks, l = s.local_experts, blocks = s.num_experts;
   int* start = smem;                // [blocks + 1]: exclusive prefix of the rows of block f, in (e, s) order
   int* ok = start + blocks + 1;     // [n] sender signalled in time
   int* warp_sums = ok + n;          // [32]
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x < n) {
     int sum = 0;
     for (int e = 0; e < l; ++e) sum += start[e * n + threadIdx.x + 1];
-    if (sum > s.c) {
+    if (sum > s.rows_per_peer()) {
       RaiseError(a, kBadPeerData, threadIdx.x);
       for (int e = 0; e < l; ++e) start[e * n + threadIdx.x + 1] = 0;
     }
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x & 31;
   const int32_t* list = reinterpret_cast<const int32_t*>(a.base + a.lay.list);
   const uint8_t* toks = a.base + a.lay.tokens;
-  const long long slots = s.slots(), rows = s.max_recv_rows();
+  const long long slots = s.entries(), rows = s.max_recv_rows();
   // Warp w takes rows w, w + W, w + 2W, ... (W warps in the grid), 32 at a time: lane j first finds the source of
   // the j-th (one list load each, all in flight together), then the warp copies or zeroes the 32 rows in turn.
   const long long warps = static_cast<long long>(gridDim.x) * kWarps;
@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(kThreads)
       my_q = lo - e * n;
       my_tk = __ldcg(list + (static_cast<size_t>(my_q) * l + e) * s.max_tokens + (mine - start[lo]));
       // Own tokens are read from dispatch_send's x: one past its rows cannot come from our own send.
-      if (my_tk < 0 || my_tk >= slots || (my_q == s.rank && my_tk / s.r >= x_tokens)) {
+      if (my_tk < 0 || my_tk >= slots || (my_q == a.rank && my_tk / s.experts_per_token >= x_tokens)) {
         RaiseError(a, kBadPeerData, my_q);
         my_tk = -1;
       }
@@ -176,27 +176,27 @@ __global__ void __launch_bounds__(kThreads)
       const int32_t tk = __shfl_sync(0xffffffffu, my_tk, j);
       const int q = __shfl_sync(0xffffffffu, my_q, j);
       if (tk < 0) {
-        WarpZero16(ox + i * s.x_bytes, s.x_bytes, lane);
+        WarpZero16(ox + i * s.x_bytes(), s.x_bytes(), lane);
         if (os)
-          for (int v = lane; v < (s.scale_bytes >> 2); v += 32) reinterpret_cast<int*>(os + i * s.scale_bytes)[v] = 0;
+          for (int v = lane; v < (s.scale_bytes() >> 2); v += 32) reinterpret_cast<int*>(os + i * s.scale_bytes())[v] = 0;
         if (lane == 0 && i < total) route[i] = -1;
         continue;
       }
-      const int t = tk / s.r;
+      const int t = tk / s.experts_per_token;
       // Own tokens were not copied: straight from dispatch_send's input.
-      const uint8_t* src = q == s.rank ? x + static_cast<size_t>(t) * s.x_bytes
-                                       : toks + (static_cast<size_t>(q) * s.max_tokens + t) * s.rec_bytes;
-      WarpCopy16(ox + i * s.x_bytes, src, s.x_bytes, lane);
+      const uint8_t* src = q == a.rank ? x + static_cast<size_t>(t) * s.x_bytes()
+                                       : toks + (static_cast<size_t>(q) * s.max_tokens + t) * s.dispatch_row_bytes();
+      WarpCopy16(ox + i * s.x_bytes(), src, s.x_bytes(), lane);
       if (os) {
-        const uint8_t* src_scale = q == s.rank ? xs + static_cast<size_t>(t) * s.scale_bytes : src + s.x_bytes;
-        WarpCopy4(os + i * s.scale_bytes, src_scale, s.scale_bytes, lane);
+        const uint8_t* src_scale = q == a.rank ? xs + static_cast<size_t>(t) * s.scale_bytes() : src + s.x_bytes();
+        WarpCopy4(os + i * s.scale_bytes(), src_scale, s.scale_bytes(), lane);
       }
       if (lane == 0) route[i] = static_cast<int32_t>(q * slots + tk);
     }
   }
   FinishBlock(a, kDispatchRecv, [&](LocalSync* ls) {
     ls->epoch[kDispatchRecv] = epoch;
-    for (int p = 0; p < n; ++p) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchAck) + s.rank, epoch);
+    for (int p = 0; p < n; ++p) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchAck) + a.rank, epoch);
   });
 }
 
@@ -205,8 +205,8 @@ __global__ void __launch_bounds__(kThreads)
 cudaError_t LaunchDispatchSend(const KernelArgs& a, int tokens, const void* x, const void* x_scale,
                                const int32_t* topk_idx, int32_t* handle, cudaStream_t stream) {
   // Enough blocks for one per expert scan and for every (token, rank) copy to have its warp, up to 2 per SM.
-  int grid = GridFor(static_cast<long long>(tokens) * a.s.n * ChunksOf(a.s.x_bytes), kWarps, a.num_sms);
-  if (grid < a.s.experts()) grid = a.s.experts() < 2 * a.num_sms ? a.s.experts() : 2 * a.num_sms;
+  int grid = GridFor(static_cast<long long>(tokens) * a.s.num_ranks * ChunksOf(a.s.x_bytes()), kWarps, a.num_sms);
+  if (grid < a.s.num_experts) grid = a.s.num_experts < 2 * a.num_sms ? a.s.num_experts : 2 * a.num_sms;
   DispatchSendKernel<<<grid, kThreads, 0, stream>>>(a, tokens, static_cast<const uint8_t*>(x),
                                                     static_cast<const uint8_t*>(x_scale), topk_idx, handle);
   return cudaGetLastError();
@@ -214,7 +214,7 @@ cudaError_t LaunchDispatchSend(const KernelArgs& a, int tokens, const void* x, c
 
 cudaError_t LaunchDispatchRecv(const KernelArgs& a, const void* x, const void* x_scale, int x_tokens, void* expert_x,
                                void* expert_x_scale, int32_t* counts, int32_t* route, cudaStream_t stream) {
-  const size_t smem = sizeof(int) * (a.s.experts() + 1 + a.s.n + 32);
+  const size_t smem = sizeof(int) * (a.s.num_experts + 1 + a.s.num_ranks + 32);
   // A warp per expert_x row: the received ones are copied, the padding zeroed.
   const int grid = GridFor(a.s.max_recv_rows(), kWarps * 2, a.num_sms);
   DispatchRecvKernel<<<grid, kThreads, smem, stream>>>(

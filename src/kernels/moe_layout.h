@@ -6,11 +6,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define JAX_MOE_HD __host__ __device__
-#else
-#define JAX_MOE_HD
-#endif
+#include "proxy/moe_shape.h"
+
 
 namespace jax_moe::cuda {
 
@@ -43,21 +40,8 @@ constexpr int kTraceRing = 64;
 constexpr int kTracePoints = 4;
 enum TracePoint { kTraceStart = 0, kTraceWaited = 1, kTraceWork = 2, kTraceEnd = 3 };
 
-struct MoeShape {
-  int n = 1;            // ranks on the axis
-  int rank = 0;         // this device's rank
-  int l = 1;            // local experts per rank
-  int r = 1;            // experts per token
-  int max_tokens = 1;   // T at most
-  int c = 1;            // rows one rank can send to one peer: max_tokens * min(R, L)
-  int x_bytes = 0;      // hidden * itemsize of the dispatch dtype (multiple of 16)
-  int scale_bytes = 0;  // num_scales * 4 (0 for bf16)
-  int rec_bytes = 0;    // one received token: x then scales, rounded up to 16
-  int y_bytes = 0;      // hidden * 2 (combine dtype bf16, multiple of 16)
-  JAX_MOE_HD int experts() const { return n * l; }
-  JAX_MOE_HD int64_t slots() const { return int64_t(max_tokens) * r; }   // (t, k) slots of a rank
-  JAX_MOE_HD int64_t max_recv_rows() const { return int64_t(n) * c; }
-};
+using proxy::MoeShape;
+using proxy::AlignUp;
 
 // Byte offsets of the fields inside one device buffer.
 // Dispatch moves each token once per destination rank (not once per (t, k)): sender s writes token t into
@@ -86,21 +70,19 @@ struct LocalSync {
   unsigned long long error;           // the running launch's first error (kind << 32 | detail), published at its end
 };
 
-inline size_t AlignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
-
 inline MoeLayout MakeLayout(const MoeShape& s) {
   MoeLayout m;
   size_t at = 0;
   auto take = [&](size_t bytes) { size_t here = at; at = AlignUp(at + bytes, 256); return here; };
-  m.flags = take(sizeof(unsigned long long) * kFlagKinds * s.n);
+  m.flags = take(sizeof(unsigned long long) * kFlagKinds * s.num_ranks);
   m.local = take(sizeof(LocalSync));
-  m.peers = take(sizeof(void*) * s.n);
+  m.peers = take(sizeof(void*) * s.num_ranks);
   m.trace = take(sizeof(unsigned long long) * kTraceRing * kHalves * kTracePoints);
-  m.counts = take(sizeof(int32_t) * s.n * s.l);
-  m.list = take(sizeof(int32_t) * size_t(s.n) * s.l * s.max_tokens);
-  m.tokens = take(size_t(s.rec_bytes) * s.n * s.max_tokens);
-  m.comb = take(size_t(s.y_bytes) * s.slots() * kCombineChannels);
-  m.self = take(sizeof(int32_t) * s.slots() * kCombineChannels);
+  m.counts = take(sizeof(int32_t) * s.num_ranks * s.local_experts);
+  m.list = take(sizeof(int32_t) * size_t(s.num_ranks) * s.local_experts * s.max_tokens);
+  m.tokens = take(size_t(s.dispatch_row_bytes()) * s.num_ranks * s.max_tokens);
+  m.comb = take(size_t(s.combine_row_bytes()) * s.entries() * kCombineChannels);
+  m.self = take(sizeof(int32_t) * s.entries() * kCombineChannels);
   m.total = at;
   return m;
 }
@@ -108,6 +90,7 @@ inline MoeLayout MakeLayout(const MoeShape& s) {
 // Everything a kernel needs about its device's group membership; passed by value.
 struct KernelArgs {
   MoeShape s;
+  int rank = 0;                     // this device's rank
   MoeLayout lay;
   uint8_t* base = nullptr;          // this device's buffer
   // Host-mapped words. Each has one writer, since host and device atomics on mapped memory are not atomic with each

@@ -71,7 +71,7 @@ __device__ __forceinline__ bool WaitAtLeast(const KernelArgs& a, const unsigned 
 }
 
 __device__ __forceinline__ unsigned long long* Flags(uint8_t* base, const KernelArgs& a, int kind) {
-  return reinterpret_cast<unsigned long long*>(base + a.lay.flags) + kind * a.s.n;
+  return reinterpret_cast<unsigned long long*>(base + a.lay.flags) + kind * a.s.num_ranks;
 }
 
 __device__ __forceinline__ uint8_t* Peer(const KernelArgs& a, int p) {

@@ -2,11 +2,11 @@
 
 namespace jax_moe::proxy {
 
-std::string CheckHeader(const RegionHeader& h, const MoeShape& s, uint32_t comm, uint64_t seq, int32_t sender,
+std::string CheckHeader(const RegionHeader& h, const MoeShape& s, uint32_t comm_id, uint64_t seq, int32_t sender,
                         bool has_counts) {
   const std::string who = "rank " + std::to_string(sender);
   if (h.magic != kRegionMagic) return who + " sent a region without the jax_moe magic";
-  if (h.comm != comm) return who + " sent a region of another Communicator (slot " + std::to_string(h.comm) + ")";
+  if (h.comm_id != comm_id) return who + " sent a region of another Communicator (id " + std::to_string(h.comm_id) + ")";
   if (h.sender != sender) return who + "'s region claims to come from rank " + std::to_string(h.sender);
   if (h.seq != seq) {
     return who + " sent round " + std::to_string(h.seq) + " where round " + std::to_string(seq) +

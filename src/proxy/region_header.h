@@ -15,7 +15,7 @@ enum class SenderError : int32_t { kNone = 0, kExpertOutOfRange = 1 };
 
 struct RegionHeader {
   uint32_t magic;
-  uint32_t comm;        // Communicator slot
+  uint32_t comm_id;     // the Communicator's id
   uint64_t seq;         // round number of this direction (dispatch or combine), from 1
   int32_t sender;       // rank that wrote the region
   int32_t error;        // SenderError
@@ -32,7 +32,7 @@ inline int32_t* HeaderCounts(RegionHeader* h) { return reinterpret_cast<int32_t*
 inline const int32_t* HeaderCounts(const RegionHeader* h) { return reinterpret_cast<const int32_t*>(h + 1); }
 
 // Empty string when `h` is a well-formed region of round `seq` from `sender`; else what is wrong.
-std::string CheckHeader(const RegionHeader& h, const MoeShape& s, uint32_t comm, uint64_t seq, int32_t sender,
+std::string CheckHeader(const RegionHeader& h, const MoeShape& s, uint32_t comm_id, uint64_t seq, int32_t sender,
                         bool has_counts);
 
 }  // namespace jax_moe::proxy

@@ -1,5 +1,7 @@
 #include "proxy/routing.h"
 
+#include "common/error.h"
+
 #include <algorithm>
 
 namespace jax_moe::proxy {
@@ -7,7 +9,7 @@ namespace jax_moe::proxy {
 void ComputeSendPlan(const int32_t* topk_idx, int64_t tokens, const MoeShape& s, SendPlan* plan) {
   const int64_t n = s.num_ranks, l = s.local_experts, r = s.experts_per_token, e_total = s.num_experts;
   const int64_t c = s.rows_per_peer();
-  plan->slot.assign(tokens * r, -1);
+  plan->position.assign(tokens * r, -1);
   plan->counts.assign(n * l, 0);
   plan->rows.assign(n, 0);
   plan->bad_index = -1;
@@ -26,7 +28,7 @@ void ComputeSendPlan(const int32_t* topk_idx, int64_t tokens, const MoeShape& s,
         continue;
       }
       if (std::find(ids, ids + k, ids[k]) != ids + k) continue;  // a repeat of an earlier k
-      plan->slot[t * r + k] = 0;  // marks "valid" for pass 2
+      plan->position[t * r + k] = 0;  // marks "valid" for pass 2
       ++plan->counts[g];
     }
   }
@@ -44,10 +46,10 @@ void ComputeSendPlan(const int32_t* topk_idx, int64_t tokens, const MoeShape& s,
   // Pass 2: tokens in order, so rows of an expert are sorted by token.
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t k = 0; k < r; ++k) {
-      int32_t& slot = plan->slot[t * r + k];
-      if (slot < 0) continue;
+      int32_t& pos = plan->position[t * r + k];
+      if (pos < 0) continue;
       const int64_t g = topk_idx[t * r + k];
-      slot = static_cast<int32_t>((g / l) * c + next[g]++);
+      pos = static_cast<int32_t>((g / l) * c + next[g]++);
     }
   }
 }

@@ -13,7 +13,7 @@
 namespace jax_moe::proxy {
 
 struct SendPlan {
-  std::vector<int32_t> slot;    // [T * R]: p * C + row within p's block, or -1 when masked
+  std::vector<int32_t> position;  // [T * R]: p * C + row within p's block, or -1 when masked
   std::vector<int32_t> counts;  // [N * L]: rows for (rank p, local expert e)
   std::vector<int32_t> rows;    // [N]: rows for rank p
   int64_t bad_index = -1;       // first (t * R + k) whose id was out of range, -1 if none

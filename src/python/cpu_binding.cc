@@ -16,15 +16,15 @@ namespace {
 using TableRow = std::tuple<int64_t, int32_t, int32_t, int32_t>;  // device id, process, group, rank
 using EndpointRow = std::tuple<int32_t, int32_t, nb::bytes, nb::bytes, nb::bytes>;
 
-std::shared_ptr<CpuComm> Get(uint32_t slot) {
-  auto comm = jax_moe::cpu::FindComm(slot);
-  if (!comm) throw nb::value_error(("jax_moe: no CpuComm with slot " + std::to_string(slot)).c_str());
+std::shared_ptr<CpuComm> Get(uint32_t comm_id) {
+  auto comm = jax_moe::cpu::FindComm(comm_id);
+  if (!comm) throw nb::value_error(("jax_moe: no CpuComm with id " + std::to_string(comm_id)).c_str());
   return comm;
 }
 
 std::string Str(const nb::bytes& b) { return std::string(b.c_str(), b.size()); }
 
-void Create(uint32_t slot, nb::dict shape, const std::vector<TableRow>& table, int32_t process, double timeout_s,
+void Create(uint32_t comm_id, nb::dict shape, const std::vector<TableRow>& table, int32_t process, double timeout_s,
             const std::string& provider) {
   jax_moe::cpu::CommOptions options;
   auto get = [&](const char* key) { return nb::cast<int64_t>(shape[key]); };
@@ -36,7 +36,7 @@ void Create(uint32_t slot, nb::dict shape, const std::vector<TableRow>& table, i
   options.shape.max_tokens = get("max_tokens");
   options.shape.x_itemsize = get("x_itemsize");
   options.shape.num_scales = get("num_scales");
-  options.slot = slot;
+  options.comm_id = comm_id;
   options.timeout_s = timeout_s;
   options.provider = provider;
   std::vector<jax_moe::cpu::RankInfo> rows;
@@ -49,9 +49,9 @@ void Create(uint32_t slot, nb::dict shape, const std::vector<TableRow>& table, i
   jax_moe::cpu::RegisterComm(std::move(comm));
 }
 
-std::vector<EndpointRow> Endpoints(uint32_t slot) {
+std::vector<EndpointRow> Endpoints(uint32_t comm_id) {
   std::vector<EndpointRow> out;
-  for (const auto& e : Get(slot)->LocalEndpoints()) {
+  for (const auto& e : Get(comm_id)->LocalEndpoints()) {
     out.emplace_back(e.group, e.rank, nb::bytes(e.address.data(), e.address.size()),
                      nb::bytes(e.dispatch_region.data(), e.dispatch_region.size()),
                      nb::bytes(e.combine_region.data(), e.combine_region.size()));
@@ -59,19 +59,19 @@ std::vector<EndpointRow> Endpoints(uint32_t slot) {
   return out;
 }
 
-void Connect(uint32_t slot, const std::vector<EndpointRow>& rows) {
+void Connect(uint32_t comm_id, const std::vector<EndpointRow>& rows) {
   std::vector<jax_moe::cpu::Endpoint> remote;
   for (const auto& [group, rank, address, dreg, creg] : rows) {
     remote.push_back({group, rank, Str(address), Str(dreg), Str(creg)});
   }
-  auto comm = Get(slot);
+  auto comm = Get(comm_id);
   nb::gil_scoped_release release;
   comm->Connect(remote);
 }
 
-void Release(uint32_t slot) {
+void Release(uint32_t comm_id) {
   nb::gil_scoped_release release;  // ~CpuComm waits (bounded) for peers' last credits
-  jax_moe::cpu::ReleaseComm(slot);
+  jax_moe::cpu::ReleaseComm(comm_id);
 }
 
 // At interpreter exit, before jax's own exit hooks and static destructors: wait for programs still running (they call
@@ -92,15 +92,15 @@ nb::capsule Capsule(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) { return nb::capsu
 
 void RegisterCpu(nb::module_& m) {
   nb::module_ cpu = m.def_submodule("cpu", "The 'cpu' backend: dispatch/combine over shared memory and TransferEngine");
-  cpu.def("create", &Create, nb::arg("slot"), nb::arg("shape"), nb::arg("table"), nb::arg("process"),
+  cpu.def("create", &Create, nb::arg("comm_id"), nb::arg("shape"), nb::arg("table"), nb::arg("process"),
           nb::arg("timeout_s"), nb::arg("provider"),
-          "Allocates and registers the buffers of this process's ranks of Communicator `slot`.");
+          "Allocates and registers the buffers of this process's ranks of Communicator `comm_id`.");
   cpu.def("endpoints", &Endpoints, "(group, rank, engine address, dispatch region, combine region) per local rank");
   cpu.def("connect", &Connect, "Connects to the endpoints of the ranks in other processes.");
-  cpu.def("bytes_allocated", [](uint32_t slot) { return Get(slot)->BytesAllocated(); });
-  cpu.def("set_hosts", [](uint32_t slot, const std::vector<std::string>& hosts) { Get(slot)->SetHosts(hosts); },
+  cpu.def("bytes_allocated", [](uint32_t comm_id) { return Get(comm_id)->BytesAllocated(); });
+  cpu.def("set_hosts", [](uint32_t comm_id, const std::vector<std::string>& hosts) { Get(comm_id)->SetHosts(hosts); },
           "The host of every process (index = process index), named in error messages.");
-  cpu.def("release", &Release, "Releases Communicator `slot` of this process (no-op if there is none).");
+  cpu.def("release", &Release, "Releases Communicator `comm_id` of this process (no-op if there is none).");
   cpu.def("release_all", &ReleaseAll,
           "Releases every CpuComm and closes the idle engines; registered with atexit when the module loads.");
   cpu.def("live_comms", [] { return jax_moe::cpu::CpuComm::Live(); }, "CpuComms alive in this process.");

@@ -1,4 +1,4 @@
-// `jax_moe._core.cuda`: the CUDA FFI handler capsules and the group set-up the Python backend drives.
+// `jax_moe._core.cuda`: the CUDA FFI handler capsules and the Communicator set-up the Python backend drives.
 // Compiled only into CUDA builds (JAX_MOE_HAVE_CUDA); elsewhere the submodule is absent and the backend says why.
 #ifdef JAX_MOE_HAVE_CUDA
 #include <nanobind/stl/pair.h>
@@ -6,10 +6,10 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include "ffi/cuda/device_error.h"
-#include "ffi/cuda/group.h"
+#include "cuda/device_error.h"
+#include "cuda/device_comm.h"
 #include "ffi/cuda/handlers.h"
-#include "ffi/cuda/peer_bandwidth.h"
+#include "cuda/peer_bandwidth.h"
 #include "python/registry.h"
 
 namespace nb = nanobind;
@@ -23,17 +23,18 @@ nb::capsule Capsule(Fn* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
+// The shape of a Communicator from the binding's arguments; the host runtime checks it (CreateComm).
 MoeShape Shape(int n, int l, int r, int max_tokens, int hidden, int x_itemsize, int num_scales, int y_itemsize) {
   MoeShape s;
-  s.n = n;
-  s.l = l;
-  s.r = r;
+  s.num_ranks = n;
+  s.num_experts = n * l;
+  s.local_experts = l;
+  s.experts_per_token = r;
   s.max_tokens = max_tokens;
-  s.c = max_tokens * (r < l ? r : l);
-  s.x_bytes = hidden * x_itemsize;
-  s.scale_bytes = num_scales * 4;
-  s.rec_bytes = static_cast<int>(jax_moe::cuda::AlignUp(s.x_bytes + s.scale_bytes, 16));
-  s.y_bytes = hidden * y_itemsize;
+  s.hidden = hidden;
+  s.x_itemsize = x_itemsize;
+  s.num_scales = num_scales;
+  s.y_itemsize = y_itemsize;
   return s;
 }
 
@@ -60,13 +61,13 @@ void RegisterCuda(nb::module_& m) {
       },
       "Bytes of one device's buffer for a configuration.");
   cuda.def(
-      "create_group",
+      "create_comm",
       [](int64_t id, int n, int l, int r, int max_tokens, int hidden, int x_itemsize, int num_scales, int y_itemsize,
          const std::vector<std::pair<int, int>>& devices, double timeout_s) {
-        jax_moe::cuda::CreateGroup(id, Shape(n, l, r, max_tokens, hidden, x_itemsize, num_scales, y_itemsize),
+        jax_moe::cuda::CreateComm(id, Shape(n, l, r, max_tokens, hidden, x_itemsize, num_scales, y_itemsize),
                                    devices, static_cast<long long>(timeout_s * 1e9));
       },
-      "Allocates the group's buffers on the given local (ordinal, rank) devices.");
+      "Allocates the Communicator's buffers on the given local (ordinal, rank) devices.");
   cuda.def("export_buffer",
            [](int64_t id, int ordinal) {
              std::string h = jax_moe::cuda::ExportBuffer(id, ordinal);
@@ -85,12 +86,12 @@ void RegisterCuda(nb::module_& m) {
           p.where = where;
           specs.push_back(std::move(p));
         }
-        jax_moe::cuda::ConnectGroup(id, ordinal, specs);
+        jax_moe::cuda::ConnectComm(id, ordinal, specs);
       },
       "peers: (rank, kind 0=self 1=local device 2=ipc, peer ordinal, ipc handle bytes, where the rank runs), in "
       "rank order.");
   // Without the GIL: teardown waits for the devices (and, bounded, for the peers' last acknowledgements).
-  cuda.def("destroy_group", &jax_moe::cuda::DestroyGroup, nb::call_guard<nb::gil_scoped_release>());
+  cuda.def("destroy_comm", &jax_moe::cuda::DestroyComm, nb::call_guard<nb::gil_scoped_release>());
   cuda.def(
       "take_error",
       [](int64_t id, int ordinal) {

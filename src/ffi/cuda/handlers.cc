@@ -1,4 +1,4 @@
-// XLA FFI handlers of the four halves: check shapes against the group, then enqueue the kernels on XLA's stream.
+// XLA FFI handlers of the four halves: check shapes against the Communicator, then enqueue the kernels on XLA's stream.
 // Host work per call is a registry lookup and a read of the mapped error word, never a device synchronisation.
 // Every handler exists twice. The plain one is not command-buffer compatible: each call runs on the host, so the recv
 // halves report errors raised by earlier kernels (a recv half that reports one still launches its kernel first, so
@@ -11,8 +11,9 @@
 
 #include <string>
 
-#include "ffi/cuda/device_error.h"
-#include "ffi/cuda/group.h"
+#include "cuda/device_error.h"
+#include "cuda/device_comm.h"
+#include "ffi/ffi_util.h"
 #include "kernels/moe_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -26,40 +27,31 @@ ffi::Error Launched(cudaError_t err, const char* what) {
   return ffi::Error::Internal(std::string("jax_moe cuda: launching ") + what + " failed: " + cudaGetErrorString(err));
 }
 
-// The FFI code of a device report: the same codes as the "cpu" backend's for the same errors.
+// The FFI code of a device report: the same mapping as the "cpu" backend's (ffi/ffi_util.h).
 ffi::Error ToFfi(const DeviceReport& r) {
-  switch (r.kind) {
-    case DeviceReport::kNone:
-      return ffi::Error::Success();
-    case DeviceReport::kInvalidArgument:
-      return ffi::Error::InvalidArgument(r.message);
-    case DeviceReport::kTimeout:
-      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, r.message);
-    default:
-      return ffi::Error::Internal(r.message);
-  }
+  return r.empty() ? ffi::Error::Success() : ffi_util::ToFfi(r.code, r.message);
 }
 
 // A send is refused while its stream holds a round that was never received: its kernel would wait for peers' acks of
 // that round forever (every rank runs the same program, so every rank refuses alike). jax_moe.rounds refuses such
 // programs at trace time; this catches handles that crossed programs (a send in one jitted call, no receive later).
-ffi::Error CheckStreamFree(const DeviceGroup& dev, int stream, const char* op) {
+ffi::Error CheckStreamFree(const DeviceComm& dev, int stream, const char* op) {
   if (dev.open_rounds[stream].load(std::memory_order_relaxed) <= 0) return ffi::Error::Success();
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                    std::string("jax_moe cuda: ") + op + " on " + dev.names[dev.args.s.rank] +
+                    std::string("jax_moe cuda: ") + op + " on " + dev.names[dev.args.rank] +
                         ": the previous " + (stream == 0 ? "dispatch_send" : "combine_send") +
                         " of this Communicator was never received (its handle must reach the receive half exactly "
                         "once); backend 'cuda' holds one round per direction, so this Communicator cannot go on: "
                         "build a new one");
 }
 
-ffi::Error Device(int64_t group, int32_t ordinal, std::shared_ptr<const DeviceGroup>& dev) {
-  dev = FindDevice(group, ordinal);
+ffi::Error Device(int64_t comm_id, int32_t ordinal, std::shared_ptr<const DeviceComm>& dev) {
+  dev = FindDevice(comm_id, ordinal);
   if (!dev) {
-    return ffi::Error::InvalidArgument("jax_moe cuda: group " + std::to_string(group) + " has no buffers on device " +
+    return ffi::Error::InvalidArgument("jax_moe cuda: Communicator " + std::to_string(comm_id) + " has no buffers on device " +
                                        std::to_string(ordinal) + " (was the Communicator built on this mesh?)");
   }
-  if (!dev->connected) return ffi::Error::Internal("jax_moe cuda: group " + std::to_string(group) + " not connected");
+  if (!dev->connected) return ffi::Error::Internal("jax_moe cuda: Communicator " + std::to_string(comm_id) + " not connected");
   // After a timeout the peers' epochs are out of step with this device's: nothing is launched any more.
   if (DeviceReport failed = StickyError(*dev); !failed.empty()) return ToFfi(failed);
   return ffi::Error::Success();
@@ -81,32 +73,32 @@ ffi::Error CheckScaleType(const char* what, ffi::DataType type) {
 ffi::Error CheckRows(const char* what, ffi::Span<const int64_t> dims, int64_t rows, int64_t row_bytes,
                      size_t itemsize, int64_t want_bytes) {
   if (dims.size() != 2 || dims[0] != rows || dims[1] * static_cast<int64_t>(itemsize) != want_bytes) {
-    return ffi::Error::InvalidArgument(std::string("jax_moe cuda: ") + what + " does not match the group's shape");
+    return ffi_util::Mismatch("jax_moe cuda: ", what);
   }
   (void)row_bytes;
   return ffi::Error::Success();
 }
 
 template <bool kGraph>
-ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t group, bool has_scale, ffi::AnyBuffer x,
+ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, bool has_scale, ffi::AnyBuffer x,
                             ffi::AnyBuffer x_scale, ffi::Buffer<ffi::S32> topk_idx,
                             ffi::Result<ffi::Buffer<ffi::S32>> handle) {
-  std::shared_ptr<const DeviceGroup> dev;
-  if (auto e = Device(group, ordinal, dev); e.failure()) return e;
+  std::shared_ptr<const DeviceComm> dev;
+  if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
   const KernelArgs& a = dev->args;
   const auto dims = x.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("jax_moe cuda: x must be [T, hidden]");
   const int64_t tokens = dims[0];
   if (tokens > a.s.max_tokens) return ffi::Error::InvalidArgument("jax_moe cuda: T exceeds max_tokens");
-  if (auto e = CheckRows("x", dims, tokens, a.s.x_bytes, ffi::ByteWidth(x.element_type()), a.s.x_bytes); e.failure())
+  if (auto e = CheckRows("x", dims, tokens, a.s.x_bytes(), ffi::ByteWidth(x.element_type()), a.s.x_bytes()); e.failure())
     return e;
   if (has_scale) {
     if (auto e = CheckScaleType("x_scale", x_scale.element_type()); e.failure()) return e;
-    if (auto e = CheckRows("x_scale", x_scale.dimensions(), tokens, a.s.scale_bytes, 4, a.s.scale_bytes); e.failure())
+    if (auto e = CheckRows("x_scale", x_scale.dimensions(), tokens, a.s.scale_bytes(), 4, a.s.scale_bytes()); e.failure())
       return e;
   }
   const auto idims = topk_idx.dimensions();
-  if (idims.size() != 2 || idims[0] != tokens || idims[1] != a.s.r)
+  if (idims.size() != 2 || idims[0] != tokens || idims[1] != a.s.experts_per_token)
     return ffi::Error::InvalidArgument("jax_moe cuda: topk_idx must be [T, experts_per_token]");
   if (auto e = CheckHandle(handle->element_count()); e.failure()) return e;
   if constexpr (!kGraph) {
@@ -121,34 +113,34 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t group,
 }
 
 template <bool kGraph>
-ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group, bool has_scale,
+ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, bool has_scale,
                             ffi::Buffer<ffi::S32> handle, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
                             ffi::Result<ffi::AnyBuffer> expert_x,
                             ffi::Result<ffi::AnyBuffer> expert_x_scale, ffi::Result<ffi::Buffer<ffi::S32>> counts,
                             ffi::Result<ffi::Buffer<ffi::S32>> route) {
-  std::shared_ptr<const DeviceGroup> dev;
-  if (auto e = Device(group, ordinal, dev); e.failure()) return e;
+  std::shared_ptr<const DeviceComm> dev;
+  if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
   const KernelArgs& a = dev->args;
   const int64_t rows = a.s.max_recv_rows();
-  if (auto e = CheckRows("expert_x", expert_x->dimensions(), rows, a.s.x_bytes,
-                         ffi::ByteWidth(expert_x->element_type()), a.s.x_bytes);
+  if (auto e = CheckRows("expert_x", expert_x->dimensions(), rows, a.s.x_bytes(),
+                         ffi::ByteWidth(expert_x->element_type()), a.s.x_bytes());
       e.failure())
     return e;
-  if (counts->element_count() != size_t(a.s.l) || route->element_count() != size_t(rows + 1))
-    return ffi::Error::InvalidArgument("jax_moe cuda: dispatch_recv outputs do not match the group's shape");
+  if (counts->element_count() != size_t(a.s.local_experts) || route->element_count() != size_t(rows + 1))
+    return ffi::Error::InvalidArgument("jax_moe cuda: dispatch_recv outputs do not match the Communicator's shape");
   const auto xdims = x.dimensions();
   if (xdims.size() != 2 || xdims[0] > a.s.max_tokens) return ffi::Error::InvalidArgument("jax_moe cuda: bad x");
   const int64_t x_tokens = xdims[0];
-  if (auto e = CheckRows("x", xdims, x_tokens, a.s.x_bytes, ffi::ByteWidth(x.element_type()), a.s.x_bytes);
+  if (auto e = CheckRows("x", xdims, x_tokens, a.s.x_bytes(), ffi::ByteWidth(x.element_type()), a.s.x_bytes());
       e.failure())
     return e;
   if (has_scale) {
     if (auto e = CheckScaleType("x_scale", x_scale.element_type()); e.failure()) return e;
     if (auto e = CheckScaleType("expert_x_scale", expert_x_scale->element_type()); e.failure()) return e;
-    if (auto e = CheckRows("x_scale", x_scale.dimensions(), x_tokens, a.s.scale_bytes, 4, a.s.scale_bytes);
+    if (auto e = CheckRows("x_scale", x_scale.dimensions(), x_tokens, a.s.scale_bytes(), 4, a.s.scale_bytes());
         e.failure())
       return e;
-    if (auto e = CheckRows("expert_x_scale", expert_x_scale->dimensions(), rows, a.s.scale_bytes, 4, a.s.scale_bytes);
+    if (auto e = CheckRows("expert_x_scale", expert_x_scale->dimensions(), rows, a.s.scale_bytes(), 4, a.s.scale_bytes());
         e.failure())
       return e;
   }
@@ -165,14 +157,14 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group,
 }
 
 template <bool kGraph>
-ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t group, int64_t channel, ffi::AnyBuffer expert_y,
+ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, int64_t channel, ffi::AnyBuffer expert_y,
                            ffi::Buffer<ffi::S32> route, ffi::Result<ffi::Buffer<ffi::S32>> handle) {
-  std::shared_ptr<const DeviceGroup> dev;
-  if (auto e = Device(group, ordinal, dev); e.failure()) return e;
+  std::shared_ptr<const DeviceComm> dev;
+  if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
   const KernelArgs& a = dev->args;
   const int64_t rows = a.s.max_recv_rows();
-  if (auto e = CheckRows("expert_y", expert_y.dimensions(), rows, a.s.y_bytes, ffi::ByteWidth(expert_y.element_type()),
-                         a.s.y_bytes);
+  if (auto e = CheckRows("expert_y", expert_y.dimensions(), rows, a.s.combine_row_bytes(), ffi::ByteWidth(expert_y.element_type()),
+                         a.s.combine_row_bytes());
       e.failure())
     return e;
   if (route.element_count() != size_t(rows + 1)) return ffi::Error::InvalidArgument("jax_moe cuda: bad route");
@@ -189,25 +181,25 @@ ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t group, 
 }
 
 template <bool kGraph>
-ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t group, int64_t channel,
+ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, int64_t channel,
                            ffi::Buffer<ffi::S32> handle,
                            ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> topk_idx,
                            ffi::AnyBuffer expert_y, ffi::Result<ffi::AnyBuffer> out) {
-  std::shared_ptr<const DeviceGroup> dev;
-  if (auto e = Device(group, ordinal, dev); e.failure()) return e;
+  std::shared_ptr<const DeviceComm> dev;
+  if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
   const KernelArgs& a = dev->args;
   if (channel < 0 || channel >= kCombineChannels) return ffi::Error::InvalidArgument("jax_moe cuda: bad channel");
   const auto idims = topk_idx.dimensions();
-  if (idims.size() != 2 || idims[1] != a.s.r || idims[0] > a.s.max_tokens ||
+  if (idims.size() != 2 || idims[1] != a.s.experts_per_token || idims[0] > a.s.max_tokens ||
       topk_weights.element_count() != topk_idx.element_count())
-    return ffi::Error::InvalidArgument("jax_moe cuda: topk_idx / topk_weights do not match the group's shape");
+    return ffi::Error::InvalidArgument("jax_moe cuda: topk_idx / topk_weights do not match the Communicator's shape");
   const int64_t tokens = idims[0];
-  if (auto e = CheckRows("out", out->dimensions(), tokens, a.s.y_bytes, ffi::ByteWidth(out->element_type()),
-                         a.s.y_bytes);
+  if (auto e = CheckRows("out", out->dimensions(), tokens, a.s.combine_row_bytes(), ffi::ByteWidth(out->element_type()),
+                         a.s.combine_row_bytes());
       e.failure())
     return e;
-  if (auto e = CheckRows("expert_y", expert_y.dimensions(), a.s.max_recv_rows(), a.s.y_bytes,
-                         ffi::ByteWidth(expert_y.element_type()), a.s.y_bytes);
+  if (auto e = CheckRows("expert_y", expert_y.dimensions(), a.s.max_recv_rows(), a.s.combine_row_bytes(),
+                         ffi::ByteWidth(expert_y.element_type()), a.s.combine_row_bytes());
       e.failure())
     return e;
   const DeviceReport earlier = TakeError(*dev);
@@ -241,7 +233,7 @@ JAX_MOE_CUDA_HANDLERS(JaxMoeCudaDispatchSend, DispatchSendImpl,
                       ffi::Ffi::Bind()
                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
                           .Ctx<ffi::DeviceOrdinal>()
-                          .Attr<int64_t>("group")
+                          .Attr<int64_t>("comm_id")
                           .Attr<bool>("has_scale")
                           .Arg<ffi::AnyBuffer>()
                           .Arg<ffi::AnyBuffer>()
@@ -252,7 +244,7 @@ JAX_MOE_CUDA_HANDLERS(JaxMoeCudaDispatchRecv, DispatchRecvImpl,
                       ffi::Ffi::Bind()
                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
                           .Ctx<ffi::DeviceOrdinal>()
-                          .Attr<int64_t>("group")
+                          .Attr<int64_t>("comm_id")
                           .Attr<bool>("has_scale")
                           .Arg<ffi::Buffer<ffi::S32>>()
                           .Arg<ffi::AnyBuffer>()
@@ -266,7 +258,7 @@ JAX_MOE_CUDA_HANDLERS(JaxMoeCudaCombineSend, CombineSendImpl,
                       ffi::Ffi::Bind()
                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
                           .Ctx<ffi::DeviceOrdinal>()
-                          .Attr<int64_t>("group")
+                          .Attr<int64_t>("comm_id")
                           .Attr<int64_t>("channel")
                           .Arg<ffi::AnyBuffer>()
                           .Arg<ffi::Buffer<ffi::S32>>()
@@ -276,7 +268,7 @@ JAX_MOE_CUDA_HANDLERS(JaxMoeCudaCombineRecv, CombineRecvImpl,
                       ffi::Ffi::Bind()
                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
                           .Ctx<ffi::DeviceOrdinal>()
-                          .Attr<int64_t>("group")
+                          .Attr<int64_t>("comm_id")
                           .Attr<int64_t>("channel")
                           .Arg<ffi::Buffer<ffi::S32>>()
                           .Arg<ffi::Buffer<ffi::F32>>()

@@ -1,6 +1,6 @@
 // The host side of a device's error word (kernels/sync.cuh RaiseError, PublishError): decoding, taking (with the ack
 // word) and the sticky timeout.
-#include "ffi/cuda/device_error.h"
+#include "cuda/device_error.h"
 
 #include <cstdint>
 #include <string>
@@ -10,20 +10,20 @@
 namespace jax_moe::cuda {
 namespace {
 
-std::string Name(const DeviceGroup& dev, int rank) {
+std::string Name(const DeviceComm& dev, int rank) {
   if (rank >= 0 && rank < static_cast<int>(dev.names.size())) return dev.names[rank];
   return "rank " + std::to_string(rank);
 }
 
-DeviceReport Report(const DeviceGroup& dev, unsigned long long word) {
+DeviceReport Report(const DeviceComm& dev, unsigned long long word) {
   const int kind = static_cast<int>(word >> 32);
   const int detail = static_cast<int>(static_cast<uint32_t>(word));
   switch (kind) {
     case kNoError:
       return {};
     case kBadExpertId:
-      return {DeviceReport::kInvalidArgument,
-              "jax_moe cuda: an earlier dispatch of " + Name(dev, dev.args.s.rank) + " got expert id " +
+      return {true, ErrorCode::kInvalidArgument,
+              "jax_moe cuda: an earlier dispatch of " + Name(dev, dev.args.rank) + " got expert id " +
                   std::to_string(detail) + " in topk_idx, outside [0, num_experts) and not -1 (those slots were "
                   "masked)"};
     case kTimeout: {
@@ -31,11 +31,11 @@ DeviceReport Report(const DeviceGroup& dev, unsigned long long word) {
                                           "its combined rows", "its acknowledgement of our combine"};
       const int flag = detail / kWaitStride;  // FlagKind; the combine kinds repeat per channel
       if (flag < 0 || flag >= kFlagKinds)
-        return {DeviceReport::kTimeout, "jax_moe cuda: a wait timed out (" + std::to_string(detail) + ")"};
+        return {true, ErrorCode::kTimeout, "jax_moe cuda: a wait timed out (" + std::to_string(detail) + ")"};
       const int what = flag < kCombineFlag ? flag : kCombineFlag + (flag - kCombineFlag) % 2;
       // Rounds run in program order and a send whose previous round was never received is refused by its handler,
       // so a missing flag means the peer's program stopped or never made that call.
-      return {DeviceReport::kTimeout,
+      return {true, ErrorCode::kTimeout,
               "jax_moe cuda: " + Name(dev, detail % kWaitStride) +
                   " did not send " + kWhat[what] + (flag >= kCombineFlag + 2 ? " (gradient channel)" : "") +
                   " within the timeout (its process may have died or stopped calling this Communicator); this "
@@ -43,18 +43,18 @@ DeviceReport Report(const DeviceGroup& dev, unsigned long long word) {
                   "Communicator"};
     }
     case kBadPeerData:
-      return {DeviceReport::kInternal,
+      return {true, ErrorCode::kPeerFailed,
               "jax_moe cuda: " + Name(dev, detail) +
                   " sent token counts or lists that do not fit this Communicator's buffers (its data was dropped); "
                   "results of that call are incomplete"};
     default:
-      return {DeviceReport::kInternal, "jax_moe cuda: device error " + std::to_string(kind)};
+      return {true, ErrorCode::kInternal, "jax_moe cuda: device error " + std::to_string(kind)};
   }
 }
 
 }  // namespace
 
-DeviceReport TakeError(const DeviceGroup& dev) {
+DeviceReport TakeError(const DeviceComm& dev) {
   // The host never writes the error word (a host exchange racing the device's write is not atomic on PCIe hosts);
   // it reports a published error whose number it has not acknowledged yet, then acknowledges it, which lets the
   // device publish the next one. Host threads (XLA's, take_errors) agree on who reports through a CAS on the ack
@@ -71,8 +71,8 @@ DeviceReport TakeError(const DeviceGroup& dev) {
   return sticky.empty() ? report : sticky;
 }
 
-DeviceReport StickyError(const DeviceGroup& dev) {
-  for (const unsigned long long* timeout : dev.group_timeouts) {
+DeviceReport StickyError(const DeviceComm& dev) {
+  for (const unsigned long long* timeout : dev.comm_timeouts) {
     const unsigned long long word = __atomic_load_n(timeout, __ATOMIC_SEQ_CST);
     if (word != 0) return Report(dev, word);
   }

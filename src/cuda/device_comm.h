@@ -1,6 +1,6 @@
 // Per-Communicator CUDA resources: one buffer per local device, the peers' buffers mapped into it (peer access in one
 // process, CUDA IPC across processes), and a host-mapped error word. Created from Python before the first call;
-// looked up by the FFI handlers by (group id, device ordinal). Thread-safe: XLA calls each device's handler from its
+// looked up by the FFI handlers by (Communicator id, device ordinal). Thread-safe: XLA calls each device's handler from its
 // own thread.
 #pragma once
 #include <atomic>
@@ -33,20 +33,20 @@ constexpr int kRoundStreams = 1 + kCombineChannels;
 // only) and args.error_ack (written by the host only).
 enum HostWord { kErrorWord = 0, kTimeoutWord = 1, kAckWord = 2, kHostWords = 4 };
 
-// One device's membership in one group. Owns its CUDA allocations.
-struct DeviceGroup {
-  DeviceGroup() = default;
-  DeviceGroup(const DeviceGroup&) = delete;
-  DeviceGroup& operator=(const DeviceGroup&) = delete;
-  ~DeviceGroup();
+// One device's membership in one Communicator. Owns its CUDA allocations.
+struct DeviceComm {
+  DeviceComm() = default;
+  DeviceComm(const DeviceComm&) = delete;
+  DeviceComm& operator=(const DeviceComm&) = delete;
+  ~DeviceComm();
 
   int ordinal = -1;
   KernelArgs args;                  // args.base, args.error: this device's buffer and error word
   unsigned long long* host_error = nullptr;  // host view of this device's kHostWords words (see HostWord)
-  // The mapped words of every local device of the group, shared: a handler holding one device reads the others'
-  // timeout words (group_timeouts), so they are freed with the last device, not the first.
+  // The mapped words of every local device of the Communicator, shared: a handler holding one device reads the others'
+  // timeout words (comm_timeouts), so they are freed with the last device, not the first.
   std::shared_ptr<unsigned long long> host_words;
-  std::vector<const unsigned long long*> group_timeouts;  // the timeout words of every local device of the group
+  std::vector<const unsigned long long*> comm_timeouts;  // the timeout words of every local device of the Communicator
   std::vector<void*> ipc_mapped;    // peers' buffers opened through IPC (closed on destruction)
   std::vector<std::string> names;   // [N] "rank r (process p on host h, GPU g)", for error messages
   bool connected = false;
@@ -55,20 +55,20 @@ struct DeviceGroup {
   mutable std::atomic<int64_t> open_rounds[kRoundStreams]{};
 };
 
-// Creates the group `id` on the given local devices ((ordinal, rank) pairs). `shape.rank` is ignored. Throws
+// Creates the Communicator `id` on the given local devices ((ordinal, rank) pairs). `shape.rank` is ignored. Throws
 // jax_moe::Error (with the failing CUDA call's name) on failure.
-void CreateGroup(int64_t id, const MoeShape& shape, const std::vector<std::pair<int, int>>& devices,
+void CreateComm(int64_t id, const MoeShape& shape, const std::vector<std::pair<int, int>>& devices,
                  long long timeout_ns);
 // The IPC handle of a device's buffer, for peers in other processes.
 std::string ExportBuffer(int64_t id, int ordinal);
 // Maps every peer's buffer (peers[i].rank == i) into this device's peer table; enables peer access where needed.
-void ConnectGroup(int64_t id, int ordinal, const std::vector<PeerSpec>& peers);
-void DestroyGroup(int64_t id);
+void ConnectComm(int64_t id, int ordinal, const std::vector<PeerSpec>& peers);
+void DestroyComm(int64_t id);
 
-// The handlers' view. Null when unknown; the shared_ptr keeps the group alive during a launch.
-std::shared_ptr<const DeviceGroup> FindDevice(int64_t id, int ordinal);
+// The handlers' view. Null when unknown; the shared_ptr keeps the Communicator alive during a launch.
+std::shared_ptr<const DeviceComm> FindDevice(int64_t id, int ordinal);
 // The device-side trace ([kTraceRing][kHalves][kTracePoints] %globaltimer ns; zeros unless JAX_MOE_CUDA_TRACE=1
-// when the group was made). Synchronous: for benchmarks and diagnostics only.
+// when the Communicator was made). Synchronous: for benchmarks and diagnostics only.
 std::vector<unsigned long long> ReadTrace(int64_t id, int ordinal);
 // Bytes of one device's buffer for this shape.
 size_t BufferBytes(const MoeShape& shape);

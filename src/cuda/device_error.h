@@ -2,23 +2,25 @@
 #pragma once
 #include <string>
 
-#include "ffi/cuda/group.h"
+#include "common/error.h"
+#include "cuda/device_comm.h"
 
 namespace jax_moe::cuda {
 
 // What a handler reports: the message and which kind of error it is (the handlers map kinds to FFI codes, the same
 // as the "cpu" backend's: a bad expert id is INVALID_ARGUMENT, a peer that never answered DEADLINE_EXCEEDED).
 struct DeviceReport {
-  enum Kind { kNone, kInvalidArgument, kTimeout, kInternal } kind = kNone;
+  bool failed = false;
+  ErrorCode code = ErrorCode::kInternal;
   std::string message;
-  bool empty() const { return kind == kNone; }
+  bool empty() const { return !failed; }
 };
 
 // The device's error published since the last take, once (it is acknowledged, not cleared); empty when none. A
-// timeout (on any local device of the group) is reported instead, by this and every later call: the group is
+// timeout (on any local device of the Communicator) is reported instead, by this and every later call: the Communicator is
 // unusable after one.
-DeviceReport TakeError(const DeviceGroup& dev);
-// The timeout that ended the group on any local device, if any; clears nothing.
-DeviceReport StickyError(const DeviceGroup& dev);
+DeviceReport TakeError(const DeviceComm& dev);
+// The timeout that ended the Communicator on any local device, if any; clears nothing.
+DeviceReport StickyError(const DeviceComm& dev);
 
 }  // namespace jax_moe::cuda

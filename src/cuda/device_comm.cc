@@ -1,4 +1,4 @@
-#include "ffi/cuda/group.h"
+#include "cuda/device_comm.h"
 
 #include <cuda_runtime.h>
 
@@ -13,23 +13,23 @@
 
 #include "common/error.h"
 #include "common/log.h"
-#include "ffi/cuda/cuda_scope.h"
+#include "cuda/cuda_scope.h"
 
 namespace jax_moe::cuda {
 namespace {
 
-using Group = std::map<int, std::shared_ptr<DeviceGroup>>;
+using LocalDevices = std::map<int, std::shared_ptr<DeviceComm>>;
 
 std::mutex& RegistryMutex() {
   static std::mutex mu;
   return mu;
 }
-std::map<int64_t, Group>& Registry() {
-  static std::map<int64_t, Group> groups;
+std::map<int64_t, LocalDevices>& Registry() {
+  static std::map<int64_t, LocalDevices> groups;
   return groups;
 }
 
-std::shared_ptr<DeviceGroup> Lookup(int64_t id, int ordinal) {
+std::shared_ptr<DeviceComm> Lookup(int64_t id, int ordinal) {
   std::lock_guard<std::mutex> lock(RegistryMutex());
   auto g = Registry().find(id);
   if (g == Registry().end()) return nullptr;
@@ -37,23 +37,23 @@ std::shared_ptr<DeviceGroup> Lookup(int64_t id, int ordinal) {
   return d == g->second.end() ? nullptr : d->second;
 }
 
-std::shared_ptr<DeviceGroup> MustFind(int64_t id, int ordinal) {
+std::shared_ptr<DeviceComm> MustFind(int64_t id, int ordinal) {
   auto dev = Lookup(id, ordinal);
   if (!dev) {
     Throw(ErrorCode::kInvalidArgument,
-          "jax_moe cuda: no group " + std::to_string(id) + " on device " + std::to_string(ordinal));
+          "jax_moe cuda: no Communicator " + std::to_string(id) + " on device " + std::to_string(ordinal));
   }
   return dev;
 }
 
 }  // namespace
 
-DeviceGroup::~DeviceGroup() {
+DeviceComm::~DeviceComm() {
   if (ordinal < 0) return;
   int previous = 0;
   cudaGetDevice(&previous);
   cudaSetDevice(ordinal);
-  cudaDeviceSynchronize();  // no kernel of this group may still run
+  cudaDeviceSynchronize();  // no kernel of this Communicator may still run
   for (void* p : ipc_mapped) cudaIpcCloseMemHandle(p);
   if (args.base) cudaFree(args.base);
   cudaGetLastError();
@@ -62,17 +62,17 @@ DeviceGroup::~DeviceGroup() {
 
 size_t BufferBytes(const MoeShape& shape) { return MakeLayout(shape).total; }
 
-void CreateGroup(int64_t id, const MoeShape& shape, const std::vector<std::pair<int, int>>& devices,
+void CreateComm(int64_t id, const MoeShape& shape, const std::vector<std::pair<int, int>>& devices,
                  long long timeout_ns) {
-  Require(shape.n >= 1 && shape.l >= 1 && shape.r >= 1 && shape.max_tokens >= 1, "jax_moe cuda: bad group shape");
-  Require(shape.x_bytes % 16 == 0 && shape.y_bytes % 16 == 0 && shape.rec_bytes % 16 == 0,
+  Require(shape.num_ranks >= 1 && shape.local_experts >= 1 && shape.experts_per_token >= 1 && shape.max_tokens >= 1, "jax_moe cuda: bad comm shape");
+  Require(shape.x_bytes() % 16 == 0 && shape.combine_row_bytes() % 16 == 0 && shape.dispatch_row_bytes() % 16 == 0,
           "jax_moe cuda: row sizes must be multiples of 16 bytes");
-  Require(shape.scale_bytes % 4 == 0, "jax_moe cuda: scale rows must be whole float32s");
-  Require(shape.r <= 32, "jax_moe cuda: at most 32 experts per token (one warp lane each)");
-  Require(shape.n <= 128, "jax_moe cuda: at most 128 ranks (one thread per peer waits on its flag)");
-  Require(int64_t(shape.n) * shape.max_tokens * shape.r < (int64_t(1) << 31),
+  Require(shape.scale_bytes() % 4 == 0, "jax_moe cuda: scale rows must be whole float32s");
+  Require(shape.experts_per_token <= 32, "jax_moe cuda: at most 32 experts per token (one warp lane each)");
+  Require(shape.num_ranks <= 128, "jax_moe cuda: at most 128 ranks (one thread per peer waits on its flag)");
+  Require(int64_t(shape.num_ranks) * shape.max_tokens * shape.experts_per_token < (int64_t(1) << 31),
           "jax_moe cuda: ranks x max_tokens x experts_per_token must fit the int32 route");
-  Require(!devices.empty(), "jax_moe cuda: a group needs a local device");
+  Require(!devices.empty(), "jax_moe cuda: a Communicator needs a local device");
   const char* trace = std::getenv("JAX_MOE_CUDA_TRACE");
   std::shared_ptr<unsigned long long> words;  // kHostWords per device, in `devices` order
   {
@@ -84,16 +84,16 @@ void CreateGroup(int64_t id, const MoeShape& shape, const std::vector<std::pair<
     words.reset(static_cast<unsigned long long*>(host), [](unsigned long long* p) { cudaFreeHost(p); });
     std::memset(host, 0, sizeof(unsigned long long) * kHostWords * devices.size());
   }
-  Group group;
+  LocalDevices comm;
   for (const auto& [ordinal, rank] : devices) {
-    Require(rank >= 0 && rank < shape.n, "jax_moe cuda: rank out of range");
-    Require(group.count(ordinal) == 0, "jax_moe cuda: a device is listed twice");
+    Require(rank >= 0 && rank < shape.num_ranks, "jax_moe cuda: rank out of range");
+    Require(comm.count(ordinal) == 0, "jax_moe cuda: a device is listed twice");
     DeviceScope scope(ordinal);
-    auto dev = std::make_shared<DeviceGroup>();
+    auto dev = std::make_shared<DeviceComm>();
     dev->ordinal = ordinal;
     KernelArgs& a = dev->args;
     a.s = shape;
-    a.s.rank = rank;
+    a.rank = rank;
     a.lay = MakeLayout(a.s);
     a.timeout_ns = timeout_ns;
     a.trace = trace != nullptr && trace[0] == '1';
@@ -103,23 +103,23 @@ void CreateGroup(int64_t id, const MoeShape& shape, const std::vector<std::pair<
     a.base = static_cast<uint8_t*>(base);
     Check(cudaMemset(base, 0, a.lay.total), "cudaMemset");
     dev->host_words = words;
-    dev->host_error = words.get() + kHostWords * group.size();
+    dev->host_error = words.get() + kHostWords * comm.size();
     void* mapped = nullptr;
     Check(cudaHostGetDevicePointer(&mapped, dev->host_error, 0), "cudaHostGetDevicePointer");
     a.error = static_cast<unsigned long long*>(mapped);
     a.timeout = a.error + kTimeoutWord;
     a.error_ack = a.error + kAckWord;
     Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    group[ordinal] = std::move(dev);
+    comm[ordinal] = std::move(dev);
   }
-  // A timeout on one device ends the group on every device of this process (the others would otherwise launch
+  // A timeout on one device ends the Communicator on every device of this process (the others would otherwise launch
   // kernels that wait the full timeout for a device that launches nothing).
   std::vector<const unsigned long long*> timeouts;
-  for (const auto& [ordinal, dev] : group) timeouts.push_back(dev->host_error + kTimeoutWord);
-  for (auto& [ordinal, dev] : group) dev->group_timeouts = timeouts;
+  for (const auto& [ordinal, dev] : comm) timeouts.push_back(dev->host_error + kTimeoutWord);
+  for (auto& [ordinal, dev] : comm) dev->comm_timeouts = timeouts;
   std::lock_guard<std::mutex> lock(RegistryMutex());
-  Require(Registry().count(id) == 0, "jax_moe cuda: group " + std::to_string(id) + " exists already");
-  Registry()[id] = std::move(group);
+  Require(Registry().count(id) == 0, "jax_moe cuda: Communicator " + std::to_string(id) + " exists already");
+  Registry()[id] = std::move(comm);
 }
 
 std::string ExportBuffer(int64_t id, int ordinal) {
@@ -130,20 +130,20 @@ std::string ExportBuffer(int64_t id, int ordinal) {
   return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
 }
 
-void ConnectGroup(int64_t id, int ordinal, const std::vector<PeerSpec>& peers) {
+void ConnectComm(int64_t id, int ordinal, const std::vector<PeerSpec>& peers) {
   auto dev = MustFind(id, ordinal);
   KernelArgs& a = dev->args;
-  Require(static_cast<int>(peers.size()) == a.s.n, "jax_moe cuda: need one peer entry per rank");
+  Require(static_cast<int>(peers.size()) == a.s.num_ranks, "jax_moe cuda: need one peer entry per rank");
   DeviceScope scope(ordinal);
-  std::vector<uint8_t*> table(a.s.n, nullptr);
-  dev->names.assign(a.s.n, "");
-  for (int i = 0; i < a.s.n; ++i) {
+  std::vector<uint8_t*> table(a.s.num_ranks, nullptr);
+  dev->names.assign(a.s.num_ranks, "");
+  for (int i = 0; i < a.s.num_ranks; ++i) {
     const PeerSpec& p = peers[i];
     Require(p.rank == i, "jax_moe cuda: peers must be listed in rank order");
     dev->names[i] = "rank " + std::to_string(i) + (p.where.empty() ? "" : " (" + p.where + ")");
     switch (p.kind) {
       case PeerKind::kSelf:
-        Require(i == a.s.rank, "jax_moe cuda: 'self' peer at another rank");
+        Require(i == a.rank, "jax_moe cuda: 'self' peer at another rank");
         table[i] = a.base;
         break;
       case PeerKind::kLocalDevice: {
@@ -183,10 +183,10 @@ namespace {
 // Waits until no peer will write into `dev`'s buffer again: the peers' last acknowledgements of this device's sends
 // (the only writes a peer makes after this device has received every round it sent) have arrived. Bounded by
 // `deadline`: a peer that is gone or out of step is given up on (also after a timeout: a late peer may still ack).
-void AwaitPeerAcks(const DeviceGroup& dev, std::chrono::steady_clock::time_point deadline) {
+void AwaitPeerAcks(const DeviceComm& dev, std::chrono::steady_clock::time_point deadline) {
   const KernelArgs& a = dev.args;
   LocalSync local;
-  std::vector<unsigned long long> flags(size_t(kFlagKinds) * a.s.n);
+  std::vector<unsigned long long> flags(size_t(kFlagKinds) * a.s.num_ranks);
   if (cudaSetDevice(dev.ordinal) != cudaSuccess ||
       cudaMemcpy(&local, a.base + a.lay.local, sizeof(local), cudaMemcpyDeviceToHost) != cudaSuccess) {
     cudaGetLastError();
@@ -199,10 +199,10 @@ void AwaitPeerAcks(const DeviceGroup& dev, std::chrono::steady_clock::time_point
       return;
     }
     int missing = -1;
-    for (int p = 0; p < a.s.n && missing < 0; ++p) {
-      if (flags[size_t(kDispatchAck) * a.s.n + p] < local.epoch[kDispatchSend]) missing = p;
+    for (int p = 0; p < a.s.num_ranks && missing < 0; ++p) {
+      if (flags[size_t(kDispatchAck) * a.s.num_ranks + p] < local.epoch[kDispatchSend]) missing = p;
       for (int ch = 0; ch < kCombineChannels; ++ch)
-        if (flags[size_t(kCombineAck + 2 * ch) * a.s.n + p] < local.epoch[kCombineSend + 2 * ch]) missing = p;
+        if (flags[size_t(kCombineAck + 2 * ch) * a.s.num_ranks + p] < local.epoch[kCombineSend + 2 * ch]) missing = p;
     }
     if (missing < 0) return;
     if (std::chrono::steady_clock::now() > deadline) {
@@ -216,8 +216,8 @@ void AwaitPeerAcks(const DeviceGroup& dev, std::chrono::steady_clock::time_point
 
 }  // namespace
 
-void DestroyGroup(int64_t id) {
-  Group doomed;
+void DestroyComm(int64_t id) {
+  LocalDevices doomed;
   {
     std::lock_guard<std::mutex> lock(RegistryMutex());
     auto g = Registry().find(id);
@@ -225,17 +225,17 @@ void DestroyGroup(int64_t id) {
     doomed = std::move(g->second);
     Registry().erase(g);
   }
-  // Outside the lock. A handler that found a device before the group left the registry may still be launching on
+  // Outside the lock. A handler that found a device before the Communicator left the registry may still be launching on
   // it: wait until `doomed` is the only holder of every device (a handler holds its device for one call), so that
   // nothing is launched after the synchronisation below.
   for (const auto& [ordinal, dev] : doomed)
     while (dev.use_count() > 1) std::this_thread::yield();
   std::atomic_thread_fence(std::memory_order_acquire);
-  // Two phases: every device of the group is quiet before any buffer is freed, since a kernel on one device may
+  // Two phases: every device of the Communicator is quiet before any buffer is freed, since a kernel on one device may
   // still write into another's buffer (an acknowledgement at the end of a receive).
   int previous = 0;
   cudaGetDevice(&previous);
-  long long bound_ns = 5'000'000'000LL;  // one bound for the whole group, whatever its number of devices
+  long long bound_ns = 5'000'000'000LL;  // one bound for the whole comm, whatever its number of devices
   for (const auto& [ordinal, dev] : doomed) {
     bound_ns = std::min(bound_ns, dev->args.timeout_ns);
     if (cudaSetDevice(ordinal) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();
@@ -246,7 +246,7 @@ void DestroyGroup(int64_t id) {
   doomed.clear();
 }
 
-std::shared_ptr<const DeviceGroup> FindDevice(int64_t id, int ordinal) { return Lookup(id, ordinal); }
+std::shared_ptr<const DeviceComm> FindDevice(int64_t id, int ordinal) { return Lookup(id, ordinal); }
 
 std::vector<unsigned long long> ReadTrace(int64_t id, int ordinal) {
   auto dev = MustFind(id, ordinal);

@@ -1,9 +1,9 @@
 // The benchmark's reference: what the copy engine moves between two GPUs (cudaMemcpyPeerAsync).
-#include "ffi/cuda/peer_bandwidth.h"
+#include "cuda/peer_bandwidth.h"
 
 #include <cuda_runtime.h>
 
-#include "ffi/cuda/cuda_scope.h"
+#include "cuda/cuda_scope.h"
 
 namespace jax_moe::cuda {
 

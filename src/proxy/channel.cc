@@ -1,0 +1,200 @@
+#include "proxy/channel.h"
+
+#include "common/error.h"
+
+namespace jax_moe::proxy {
+
+std::string RankList(const std::vector<int32_t>& ranks) {
+  std::string s = "[";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s + "]";
+}
+
+Channel::Channel(const ChannelConfig& config, const std::vector<bool>& remote,
+                 std::shared_ptr<fabric::TransferEngine> engine, SameProcess* local, Allocate allocate, std::mutex& mu,
+                 std::condition_variable& cv)
+    : config_(config),
+      engine_(std::move(engine)),
+      local_(local),
+      mu_(mu),
+      cv_(cv),
+      staging_(config.lanes.num_ranks * config.lanes.region_bytes, std::move(allocate)) {
+  const int64_t n = lanes().num_ranks, k = lanes().count;
+  Require(int64_t(remote.size()) == n, "Channel: one entry per rank");
+  remote_index_.assign(n, -1);
+  for (int64_t p = 0; p < n; ++p) {
+    if (!remote[p]) continue;
+    remote_index_[p] = int64_t(remote_ranks_.size());
+    remote_ranks_.push_back(int32_t(p));
+  }
+  Require(remote_ranks_.empty() || engine_, "Channel: ranks in other processes need a TransferEngine");
+  Require(remote_ranks_.size() == size_t(n) || local_, "Channel: ranks of this process need the device side");
+  queue_.resize(n);
+  remote_credits_.assign(n * k, 0);
+  remote_rounds_.assign(n * k, 0);
+}
+
+void Channel::Connect(const std::vector<fabric::PeerId>& peers, std::vector<fabric::RegionDescriptor> regions) {
+  Require(peers.size() == remote_ranks_.size() && regions.size() == peers.size(),
+          "Channel: one engine and one region per remote rank");
+  if (peers.empty()) return;
+  fabric::GroupId set = engine_->CreatePeerGroup(peers, regions);
+  std::lock_guard<std::mutex> lock(mu_);
+  remote_peers_ = peers;
+  remote_regions_ = std::move(regions);
+  peer_set_ = set;
+}
+
+bool Channel::CreditOk(int64_t peer, uint64_t round) {
+  const uint64_t earlier = lanes().Earlier(round);  // the receiver must have read every earlier round of this lane
+  if (earlier == 0) return true;
+  if (remote_index_[peer] < 0) return local_->CreditOk(peer, round);
+  uint64_t& credits = remote_credits_[peer * lanes().count + lanes().Lane(round)];
+  while (engine_->TryConsumeImm(Imm(config_.credit_kind, round, uint32_t(peer)), 1)) ++credits;
+  return credits >= earlier;
+}
+
+void Channel::Send(uint64_t round, const std::vector<int32_t>& rows, const Fill& fill) {
+  const int64_t n = lanes().num_ranks;
+  std::vector<char> now(n);
+  std::vector<uint8_t*> regions(n);
+  Staging* st = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    bool staged = false;
+    for (int64_t p = 0; p < n; ++p) {
+      now[p] = queue_[p].empty() && CreditOk(p, round);
+      staged |= !now[p] || remote_index_[p] >= 0;
+    }
+    if (staged) st = staging_.Acquire(engine_.get());
+    for (int64_t p = 0; p < n; ++p) {
+      const bool in_place = now[p] && remote_index_[p] < 0;
+      regions[p] = in_place ? local_->Region(p, round) : st->mem.data + p * lanes().region_bytes;
+    }
+    if (st) st->queued += 1;  // keeps it ours while we fill it outside the lock
+  }
+  fill(regions);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (st) st->queued -= 1;
+  std::vector<int32_t> post;
+  std::vector<uint64_t> bytes;
+  for (int64_t p = 0; p < n; ++p) {
+    const uint64_t b = config_.header_bytes + uint64_t(rows[p]) * config_.row_bytes;
+    if (!now[p]) {
+      queue_[p].push_back({round, st, b});
+      st->queued += 1;
+    } else if (remote_index_[p] < 0) {
+      local_->Deliver(p, nullptr, b, round);
+    } else {
+      post.push_back(int32_t(p));
+      bytes.push_back(b);
+    }
+  }
+  cv_.notify_all();
+  if (!post.empty()) Post(round, st, post, bytes);
+}
+
+void Channel::Post(uint64_t round, Staging* st, const std::vector<int32_t>& ranks, const std::vector<uint64_t>& bytes) {
+  const uint64_t region = lanes().region_bytes;
+  const uint32_t imm = Imm(config_.data_kind, round, uint32_t(config_.rank));
+  const uint64_t dst = lanes().Offset(round, config_.rank);
+  st->remote_pending = true;
+  if (ranks.size() == remote_ranks_.size()) {  // the common case: one scatter from the peer set's prebuilt templates
+    std::vector<uint64_t> src(ranks.size()), dsts(ranks.size(), dst);
+    for (size_t i = 0; i < ranks.size(); ++i) src[i] = uint64_t(ranks[i]) * region;
+    try {
+      engine_->Scatter(peer_set_, *st->mr, src.data(), bytes.data(), dsts.data(), src.size(), imm);
+      return;
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::kPeerFailed) throw;
+      // A peer is gone: still serve the others below, so that they fail naming the right rank.
+    }
+  }
+  std::vector<int32_t> failed;
+  std::string why;
+  for (size_t j = 0; j < ranks.size(); ++j) {
+    const int64_t i = remote_index_[ranks[j]];
+    try {
+      engine_->Write(remote_peers_[i], *st->mr, uint64_t(ranks[j]) * region, bytes[j], remote_regions_[i], dst, imm);
+    } catch (const Error& e) {
+      failed.push_back(ranks[j]);
+      why = e.what();
+    }
+  }
+  if (!failed.empty()) {
+    Throw(ErrorCode::kPeerFailed, std::string(config_.name) + " on rank " + std::to_string(config_.rank) +
+                                      ": cannot write to ranks " + RankList(failed) + ": " + why);
+  }
+}
+
+void Channel::Flush() {
+  const int64_t n = lanes().num_ranks;
+  for (int64_t p = 0; p < n; ++p) {
+    auto& queue = queue_[p];
+    while (!queue.empty() && CreditOk(p, queue.front().round)) {
+      const Outgoing out = queue.front();
+      const uint8_t* region = out.staging->mem.data + p * lanes().region_bytes;
+      if (remote_index_[p] < 0) {
+        local_->Deliver(p, region, out.bytes, out.round);
+      } else {
+        const int64_t i = remote_index_[p];
+        out.staging->remote_pending = true;
+        engine_->Write(remote_peers_[i], *out.staging->mr, p * lanes().region_bytes, out.bytes, remote_regions_[i],
+                       lanes().Offset(out.round, config_.rank),
+                       Imm(config_.data_kind, out.round, uint32_t(config_.rank)));
+      }
+      out.staging->queued -= 1;
+      queue.pop_front();
+      cv_.notify_all();
+    }
+  }
+}
+
+bool Channel::HasQueued() const {
+  for (const auto& q : queue_) {
+    if (!q.empty()) return true;
+  }
+  return false;
+}
+
+bool Channel::Arrived(uint64_t round, std::vector<int32_t>* missing) {
+  const int64_t n = lanes().num_ranks, lane = lanes().Lane(round);
+  bool all = true;
+  for (int64_t p = 0; p < n; ++p) {
+    bool here;
+    if (remote_index_[p] < 0) {
+      here = local_->Arrived(p, round);
+    } else {
+      uint64_t& count = remote_rounds_[p * lanes().count + lane];
+      while (engine_->TryConsumeImm(Imm(config_.data_kind, round, uint32_t(p)), 1)) ++count;
+      here = count > lanes().Earlier(round);
+    }
+    if (!here) {
+      all = false;
+      if (!missing) return false;
+      missing->push_back(int32_t(p));
+    }
+  }
+  return all;
+}
+
+void Channel::Release(uint64_t round) {
+  if (local_) local_->Released(round);
+  if (!remote_ranks_.empty()) engine_->Barrier(peer_set_, Imm(config_.credit_kind, round, uint32_t(config_.rank)));
+  cv_.notify_all();
+}
+
+bool Channel::Drained() {
+  const int64_t n = lanes().num_ranks;
+  for (int64_t p = 0; p < n; ++p) {
+    if (!queue_[p].empty()) return false;
+    if (remote_index_[p] < 0) continue;
+    // Rounds send_round + 1 .. send_round + K cover every lane once: each needs the credits of all rounds sent.
+    for (int64_t k = 1; k <= lanes().count; ++k) {
+      if (!CreditOk(p, send_round_ + uint64_t(k))) return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace jax_moe::proxy
