@@ -449,7 +449,7 @@ EngineStats EngineCore::Stats() const {
 // ---------------------------------------------------------------------------------------------------
 // Groups and posting
 
-uint32_t EngineCore::CreateComm(const std::vector<uint32_t>& peers, const std::vector<RegionDescriptor>& regions) {
+uint32_t EngineCore::CreateGroup(const std::vector<uint32_t>& peers, const std::vector<RegionDescriptor>& regions) {
   CheckOpen();
   Require(!peers.empty(), "peer_group: no peers");
   Require(peers.size() == regions.size(), "peer_group: " + std::to_string(peers.size()) + " peers but " +

@@ -68,7 +68,7 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   std::shared_ptr<MemoryRegion> Register(void* ptr, uint64_t nbytes, int device);
   void Deregister(uint64_t id);
   uint32_t Connect(const std::string& address, double timeout_s);
-  uint32_t CreateComm(const std::vector<uint32_t>& peers, const std::vector<RegionDescriptor>& regions);
+  uint32_t CreateGroup(const std::vector<uint32_t>& peers, const std::vector<RegionDescriptor>& regions);
   size_t GroupSize(uint32_t group) const;
   // src == nullptr with zero_byte: a barrier.
   void Scatter(uint32_t group, const MemoryRegion* src, const uint64_t* src_offsets, const uint64_t* lengths,

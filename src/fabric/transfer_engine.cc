@@ -44,7 +44,7 @@ PeerId TransferEngine::Connect(const std::string& address, double timeout_s) {
 
 GroupId TransferEngine::CreatePeerGroup(const std::vector<PeerId>& peers,
                                         const std::vector<RegionDescriptor>& regions) {
-  return core_->CreateComm(peers, regions);
+  return core_->CreateGroup(peers, regions);
 }
 
 size_t TransferEngine::GroupSize(GroupId group) const { return core_->GroupSize(group); }
