@@ -24,7 +24,7 @@ DeviceReport Report(const DeviceComm& dev, unsigned long long word) {
     case kBadExpertId:
       return {true, ErrorCode::kInvalidArgument,
               "jax_moe cuda: an earlier dispatch of " + Name(dev, dev.args.rank) + " got expert id " +
-                  std::to_string(detail) + " in topk_idx, outside [0, num_experts) and not -1 (those slots were "
+                  std::to_string(detail) + " in topk_idx, outside [0, num_experts) and not -1 (those entries were "
                   "masked)"};
     case kTimeout: {
       static const char* const kWhat[] = {"its dispatched tokens", "its acknowledgement of our dispatch",

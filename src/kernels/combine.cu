@@ -1,4 +1,4 @@
-// combine_send (expert rows back to the tokens' owners, at their (t, k) slots) and combine_recv (wait, float32
+// combine_send (expert rows back to the tokens' owners, at their (t, k) entries) and combine_recv (wait, float32
 // weighted sum per token), plus the time-stamp kernel of the benchmark.
 #include <cuda_bf16.h>
 
@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(kThreads)
     WaitAtLeast(a, Flags(a.base, a, ack) + threadIdx.x, epoch - 1, ack * kWaitStride + threadIdx.x);
   __syncthreads();
   TraceBlock0(a, half, epoch, kTraceWaited);
-  const long long rows = s.max_recv_rows(), slots = s.entries();
+  const long long rows = s.max_recv_rows(), entries = s.entries();
   long long total = route[rows];
   total = total < 0 ? 0 : (total > rows ? rows : total);
   const int lane = threadIdx.x & 31;
@@ -33,15 +33,15 @@ __global__ void __launch_bounds__(kThreads)
     const long long i = item / chunks;
     const int off = static_cast<int>(item - i * chunks) * kChunkBytes;
     const int from = route[i];
-    const int q = static_cast<int>(from / slots);
+    const int q = static_cast<int>(from / entries);
     if (from < 0 || q >= s.num_ranks) continue;
-    const long long tk = from - q * slots;
-    if (q == a.rank) {  // this rank's own slot: combine_recv reads the row from expert_y, only its index moves
-      if (off == 0 && lane == 0) reinterpret_cast<int32_t*>(a.base + a.lay.self)[ch * slots + tk] = static_cast<int32_t>(i);
+    const long long tk = from - q * entries;
+    if (q == a.rank) {  // this rank's own entry: combine_recv reads the row from expert_y, only its index moves
+      if (off == 0 && lane == 0) reinterpret_cast<int32_t*>(a.base + a.lay.self)[ch * entries + tk] = static_cast<int32_t>(i);
       continue;
     }
     const int bytes = s.combine_row_bytes() - off < kChunkBytes ? s.combine_row_bytes() - off : kChunkBytes;
-    WarpCopy16(Peer(a, q) + a.lay.comb + (ch * slots + tk) * s.combine_row_bytes() + off, y + i * s.combine_row_bytes() + off, bytes, lane);
+    WarpCopy16(Peer(a, q) + a.lay.comb + (ch * entries + tk) * s.combine_row_bytes() + off, y + i * s.combine_row_bytes() + off, bytes, lane);
   }
   FinishBlock(a, half, [&](LocalSync* ls) {
     for (int p = 0; p < s.num_ranks; ++p) StoreReleaseSys(Flags(Peer(a, p), a, flag) + a.rank, epoch);
@@ -55,8 +55,8 @@ __global__ void __launch_bounds__(kRecvThreads)
     CombineRecvKernel(KernelArgs a, int ch, int tokens, const float* w, const int32_t* idx, const uint8_t* y,
                       uint8_t* out) {
   extern __shared__ uint8_t smem[];
-  const uint8_t** src = reinterpret_cast<const uint8_t**>(smem);  // [R] row of slot k (comb area or expert_y)
-  float* wk = reinterpret_cast<float*>(smem + sizeof(void*) * a.s.experts_per_token);  // [R] weight of slot k, 0 if nothing sent
+  const uint8_t** src = reinterpret_cast<const uint8_t**>(smem);  // [R] row of entry k (comb area or expert_y)
+  float* wk = reinterpret_cast<float*>(smem + sizeof(void*) * a.s.experts_per_token);  // [R] weight of entry k, 0 if nothing sent
   const MoeShape& s = a.s;
   const int half = kCombineRecv + 2 * ch, flag = kCombineFlag + 2 * ch, ack = kCombineAck + 2 * ch;
   const unsigned long long epoch = Local(a)->epoch[half] + 1;
@@ -67,18 +67,18 @@ __global__ void __launch_bounds__(kRecvThreads)
   const uint8_t* comb = a.base + a.lay.comb + static_cast<size_t>(ch) * s.entries() * s.combine_row_bytes();
   const int vecs = s.combine_row_bytes() >> 4;  // 8 bf16 per 16-byte vector
   const int pieces = (vecs + kRecvThreads - 1) / kRecvThreads;
-  // One item = one token's vectors [piece * 128, piece * 128 + 128): each thread sums one vector over the R slots,
-  // with 8 slots' loads in flight at once.
+  // One item = one token's vectors [piece * 128, piece * 128 + 128): each thread sums one vector over the R entries,
+  // with 8 entries' loads in flight at once.
   for (int item = blockIdx.x; item < tokens * pieces; item += gridDim.x) {
     const int t = item / pieces;
     const int c = (item - t * pieces) * kRecvThreads + threadIdx.x;
     for (int k = threadIdx.x; k < s.experts_per_token; k += blockDim.x) {
       const int g = SentExpert(idx + static_cast<size_t>(t) * s.experts_per_token, k, s.num_experts);
-      const size_t slot = static_cast<size_t>(t) * s.experts_per_token + k;
-      float wt = g >= 0 ? w[slot] : 0.f;
-      const uint8_t* row = comb + slot * s.combine_row_bytes();
+      const size_t entry = static_cast<size_t>(t) * s.experts_per_token + k;
+      float wt = g >= 0 ? w[entry] : 0.f;
+      const uint8_t* row = comb + entry * s.combine_row_bytes();
       if (g >= 0 && g / s.local_experts == a.rank) {
-        const int32_t i = reinterpret_cast<const int32_t*>(a.base + a.lay.self)[ch * s.entries() + slot];
+        const int32_t i = reinterpret_cast<const int32_t*>(a.base + a.lay.self)[ch * s.entries() + entry];
         if (i >= 0 && i < s.max_recv_rows()) row = y + static_cast<size_t>(i) * s.combine_row_bytes(); else wt = 0.f;
       }
       wk[k] = wt;
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kRecvThreads)
         for (int u = 0; u < 8; ++u) {
           const int k = k0 + u;
           wt[u] = k < s.experts_per_token ? wk[k] : 0.f;
-          // Masked slots hold stale rows: never read them into the sum.
+          // Masked entries hold stale rows: never read them into the sum.
           if (wt[u] != 0.f)
             v[u] = LoadCg(reinterpret_cast<const int4*>(src[k]) + c);
         }

@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int base = 0; base < tokens; base += kThreads) {
       const int t = base + threadIdx.x;
       int kf = -1;
-      if (t < tokens) {  // the first slot naming g (later repeats are masked); no early exit, so loads pipeline
+      if (t < tokens) {  // the first entry naming g (later repeats are masked); no early exit, so loads pipeline
         const int32_t* row = idx + static_cast<size_t>(t) * r;
 #pragma unroll 8
         for (int k = r - 1; k >= 0; --k)
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x & 31;
   const int32_t* list = reinterpret_cast<const int32_t*>(a.base + a.lay.list);
   const uint8_t* toks = a.base + a.lay.tokens;
-  const long long slots = s.entries(), rows = s.max_recv_rows();
+  const long long entries = s.entries(), rows = s.max_recv_rows();
   // Warp w takes rows w, w + W, w + 2W, ... (W warps in the grid), 32 at a time: lane j first finds the source of
   // the j-th (one list load each, all in flight together), then the warp copies or zeroes the 32 rows in turn.
   const long long warps = static_cast<long long>(gridDim.x) * kWarps;
@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(kThreads)
       my_q = lo - e * n;
       my_tk = __ldcg(list + (static_cast<size_t>(my_q) * l + e) * s.max_tokens + (mine - start[lo]));
       // Own tokens are read from dispatch_send's x: one past its rows cannot come from our own send.
-      if (my_tk < 0 || my_tk >= slots || (my_q == a.rank && my_tk / s.experts_per_token >= x_tokens)) {
+      if (my_tk < 0 || my_tk >= entries || (my_q == a.rank && my_tk / s.experts_per_token >= x_tokens)) {
         RaiseError(a, kBadPeerData, my_q);
         my_tk = -1;
       }
@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kThreads)
         const uint8_t* src_scale = q == a.rank ? xs + static_cast<size_t>(t) * s.scale_bytes() : src + s.x_bytes();
         WarpCopy4(os + i * s.scale_bytes(), src_scale, s.scale_bytes(), lane);
       }
-      if (lane == 0) route[i] = static_cast<int32_t>(q * slots + tk);
+      if (lane == 0) route[i] = static_cast<int32_t>(q * entries + tk);
     }
   }
   FinishBlock(a, kDispatchRecv, [&](LocalSync* ls) {

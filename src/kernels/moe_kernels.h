@@ -19,12 +19,12 @@ cudaError_t LaunchDispatchSend(const KernelArgs& a, int tokens, const void* x, c
 cudaError_t LaunchDispatchRecv(const KernelArgs& a, const void* x, const void* x_scale, int x_tokens, void* expert_x,
                                void* expert_x_scale, int32_t* counts, int32_t* route, cudaStream_t stream);
 
-// expert_y [M, y_bytes] -> the token owners' combine areas of `channel`, at the (t, k) slot each row came from.
+// expert_y [M, y_bytes] -> the token owners' combine areas of `channel`, at the (t, k) entry each row came from.
 cudaError_t LaunchCombineSend(const KernelArgs& a, int channel, const void* expert_y, const int32_t* route,
                               int32_t* handle, cudaStream_t stream);
 
 // out[t] = sum over sent k of w[t, k] * y(t, k), float32 accumulation, bf16 out [T, hidden]. expert_y is this rank's
-// combine_send input: the slots this rank served itself are read from it (they were not copied).
+// combine_send input: the entries this rank served itself are read from it (they were not copied).
 cudaError_t LaunchCombineRecv(const KernelArgs& a, int channel, int tokens, const float* topk_weights,
                               const int32_t* topk_idx, const void* expert_y, void* out, cudaStream_t stream);
 

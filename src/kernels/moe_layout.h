@@ -49,7 +49,7 @@ using proxy::AlignUp;
 // its tokens in token order, as t * R + k, into list[s][e]. The receiver expands tokens into expert_x rows.
 struct MoeLayout {
   size_t flags = 0;   // uint64 [kFlagKinds][n]: dispatch flag, dispatch ack, then per combine channel flag and ack;
-                      // peer s writes slot [.][s]
+                      // peer s writes column [.][s]
   size_t local = 0;   // LocalSync (this device only)
   size_t peers = 0;   // uint8_t* [n]: every peer's buffer base, as this device addresses it
   size_t trace = 0;   // uint64 [kTraceRing][kHalves][kTracePoints] (this device only)
@@ -57,7 +57,7 @@ struct MoeLayout {
   size_t list = 0;    // int32 [n][l][max_tokens]: t * R + k on sender s of the i-th token for local expert e
   size_t tokens = 0;  // [n][max_tokens] records of rec_bytes: token t of sender s (only those sent are written)
   size_t comb = 0;    // [channels][max_tokens * R] rows of y_bytes: expert outputs returned to this token owner
-  size_t self = 0;    // int32 [channels][max_tokens * R]: for slots served by this rank, their expert_y row (this
+  size_t self = 0;    // int32 [channels][max_tokens * R]: for entries served by this rank, their expert_y row (this
                       // rank's own rows are not copied: combine_recv reads them from expert_y)
   size_t total = 0;
 };

@@ -111,7 +111,7 @@ __device__ __forceinline__ void FinishBlock(const KernelArgs& a, int half, Last 
   }
 }
 
-// Sanitised expert of slot k of a token: -1 when masked, out of range, or a repeat of an earlier slot.
+// Sanitised expert of entry k of a token: -1 when masked, out of range, or a repeat of an earlier entry.
 __device__ __forceinline__ int SentExpert(const int32_t* row, int k, int experts) {
   const int g = row[k];
   if (g < 0 || g >= experts) return -1;
