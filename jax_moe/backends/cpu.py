@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 _TARGET = "jax_moe_cpu_{}"
 _registered = False
 _lock = threading.Lock()
-SLOT_BITS = 15  # the immediate carries the Communicator slot in 15 bits (src/cpu/imm_kind.h)
+SLOT_BITS = 15  # the immediate carries the Communicator slot in 15 bits (src/proxy/imm.h)
 
 
 def _core():

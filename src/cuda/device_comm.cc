@@ -65,7 +65,9 @@ size_t BufferBytes(const MoeShape& shape) { return MakeLayout(shape).total; }
 void CreateComm(int64_t id, const MoeShape& shape, const std::vector<std::pair<int, int>>& devices,
                  long long timeout_ns) {
   Require(shape.num_ranks >= 1 && shape.local_experts >= 1 && shape.experts_per_token >= 1 && shape.max_tokens >= 1, "jax_moe cuda: bad comm shape");
-  Require(shape.x_bytes() % 16 == 0 && shape.combine_row_bytes() % 16 == 0 && shape.dispatch_row_bytes() % 16 == 0,
+  if (*shape.Problem()) Throw(ErrorCode::kInvalidArgument, std::string("jax_moe cuda: ") + shape.Problem());
+  // Kernels stride XLA's packed [rows, hidden] buffers by the 16-byte aligned row sizes: they must already be aligned.
+  Require(shape.x_bytes() % 16 == 0 && (int64_t(shape.hidden) * shape.y_itemsize) % 16 == 0,
           "jax_moe cuda: row sizes must be multiples of 16 bytes");
   Require(shape.scale_bytes() % 4 == 0, "jax_moe cuda: scale rows must be whole float32s");
   Require(shape.experts_per_token <= 32, "jax_moe cuda: at most 32 experts per token (one warp lane each)");

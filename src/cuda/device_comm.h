@@ -55,7 +55,7 @@ struct DeviceComm {
   mutable std::atomic<int64_t> open_rounds[kRoundStreams]{};
 };
 
-// Creates the Communicator `id` on the given local devices ((ordinal, rank) pairs). `shape.rank` is ignored. Throws
+// Creates the Communicator `id` on the given local devices ((ordinal, rank) pairs). Throws
 // jax_moe::Error (with the failing CUDA call's name) on failure.
 void CreateComm(int64_t id, const MoeShape& shape, const std::vector<std::pair<int, int>>& devices,
                  long long timeout_ns);

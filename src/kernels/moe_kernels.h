@@ -19,7 +19,7 @@ cudaError_t LaunchDispatchSend(const KernelArgs& a, int tokens, const void* x, c
 cudaError_t LaunchDispatchRecv(const KernelArgs& a, const void* x, const void* x_scale, int x_tokens, void* expert_x,
                                void* expert_x_scale, int32_t* counts, int32_t* route, cudaStream_t stream);
 
-// expert_y [M, y_bytes] -> the token owners' combine areas of `channel`, at the (t, k) entry each row came from.
+// expert_y [M, hidden] (bf16) -> the token owners' combine areas of `channel`, at the (t, k) entry each row came from.
 cudaError_t LaunchCombineSend(const KernelArgs& a, int channel, const void* expert_y, const int32_t* route,
                               int32_t* handle, cudaStream_t stream);
 

@@ -27,7 +27,11 @@ std::string Str(const nb::bytes& b) { return std::string(b.c_str(), b.size()); }
 void Create(uint32_t comm_id, nb::dict shape, const std::vector<TableRow>& table, int32_t process, double timeout_s,
             const std::string& provider) {
   jax_moe::cpu::CommOptions options;
-  auto get = [&](const char* key) { return nb::cast<int64_t>(shape[key]); };
+  auto get = [&](const char* key) {  // the shape's fields are int32 (kernels index with 32-bit math)
+    const int64_t v = nb::cast<int64_t>(shape[key]);
+    if (v < 0 || v > INT32_MAX) throw nb::value_error((std::string("jax_moe: ") + key + " out of range").c_str());
+    return int32_t(v);
+  };
   options.shape.num_ranks = get("num_ranks");
   options.shape.num_experts = get("num_experts");
   options.shape.local_experts = get("local_experts");

@@ -160,10 +160,10 @@ def test_a_silent_peer_times_out_and_the_communicator_stays_failed(rng):
     # Teardown, as dropping the Communicator does it (its finalizer then finds nothing left): rank 1 never
     # acknowledges rank 0's send, so the wait for it ends at the 0.5 s bound instead of hanging or being skipped.
     t0 = time.monotonic()
-    b._mod.destroy_group(b._group)
+    b._mod.destroy_comm(b._group)
     assert time.monotonic() - t0 < 5
     del f, b, comm
-    gc.collect()  # the finalizer's destroy_group then finds the group gone and frees nothing twice
+    gc.collect()  # the finalizer's destroy_comm then finds the Communicator gone and frees nothing twice
 
 
 def test_buffer_bytes_of_a_communicator():
