@@ -1,7 +1,7 @@
 """dispatch / combine and their send/recv halves, differentiable through jax.custom_vjp.
 
-Gradients (bf16 dispatch): dispatch's backward is a combine with unit weights; combine's backward is a per-slot
-dispatch of the weighted output gradient (for expert_y) and a per-slot combine of expert_y dotted with the output
+Gradients (bf16 dispatch): dispatch's backward is a combine with unit weights; combine's backward is a per-entry
+dispatch of the weighted output gradient (for expert_y) and a per-entry combine of expert_y dotted with the output
 gradient (for topk_weights). The custom_vjp sits on the recv halves; the send halves pass their differentiable input
 through the handle (stop_gradient on what they move), so the split halves are differentiable too.
 """
@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe import rounds, validate
+from jax_moe.contract import valid_entries, varying
 from jax_moe.types import CombineHandle, Dispatched, DispatchHandle
 
 if TYPE_CHECKING:
@@ -22,16 +23,7 @@ if TYPE_CHECKING:
 
 def _per_rank(comm: "Communicator", x: jax.Array) -> jax.Array:
     """Cotangents of per-rank inputs must vary over the Communicator's axes, like the inputs themselves."""
-    from jax_moe.backends.ffi_call import varying
-
-    axes = (comm.axis_name,) if isinstance(comm.axis_name, str) else comm.axis_name
-    return varying(x, frozenset(axes))
-
-
-def _valid(comm: "Communicator", topk_idx: jax.Array) -> jax.Array:
-    from jax_moe.backends.xla import sanitize_topk
-
-    return sanitize_topk(topk_idx, comm.cfg.num_experts) >= 0
+    return varying(x, frozenset(comm.axes))
 
 
 # --- dispatch ---------------------------------------------------------------------------------------------------------
@@ -41,9 +33,9 @@ def dispatch_send(comm: "Communicator", x: jax.Array, topk_idx: jax.Array,
     validate.check_dispatch(comm, "dispatch_send", x, topk_idx, x_scale)
     scale = None if x_scale is None else jax.lax.stop_gradient(x_scale)
     rounds.check_open(comm, "dispatch", "dispatch_send")
-    state = comm.backend.dispatch_send(jax.lax.stop_gradient(x), scale, topk_idx)
-    rounds.opened(comm, "dispatch", state, "dispatch_send")
-    return DispatchHandle(x, x_scale, topk_idx, state, comm.id)
+    handle = comm.backend.dispatch_send(jax.lax.stop_gradient(x), scale, topk_idx)
+    rounds.opened(comm, "dispatch", handle, "dispatch_send")
+    return DispatchHandle(x, x_scale, topk_idx, handle, comm.id)
 
 
 def dispatch_recv(comm: "Communicator", handle: DispatchHandle) -> Dispatched:
@@ -52,9 +44,9 @@ def dispatch_recv(comm: "Communicator", handle: DispatchHandle) -> Dispatched:
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"jax_moe.dispatch_recv: expected the handle from dispatch_send, got {type(handle).__name__}")
     validate.check_comm(comm, "dispatch_recv", handle._comm_id, "handle")
-    rounds.closed(comm, "dispatch", handle._state, "dispatch_recv")
+    rounds.closed(comm, "dispatch", handle._handle, "dispatch_recv")
     expert_x, expert_x_scale, counts, route = _dispatch_recv(comm, handle._x, handle._x_scale, handle._topk_idx,
-                                                             handle._state)
+                                                             handle._handle)
     return Dispatched(expert_x, expert_x_scale, counts, handle._topk_idx, route, comm.id)
 
 
@@ -65,12 +57,12 @@ def dispatch(comm: "Communicator", x: jax.Array, topk_idx: jax.Array,
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dispatch_recv(comm, x, x_scale, topk_idx, state):
-    return comm.backend.dispatch_recv(state)
+def _dispatch_recv(comm, x, x_scale, topk_idx, handle):
+    return comm.backend.dispatch_recv(handle)
 
 
-def _dispatch_recv_fwd(comm, x, x_scale, topk_idx, state):
-    out = comm.backend.dispatch_recv(state)
+def _dispatch_recv_fwd(comm, x, x_scale, topk_idx, handle):
+    out = comm.backend.dispatch_recv(handle)
     return out, (topk_idx, out[3])
 
 
@@ -93,9 +85,9 @@ def combine_send(comm: "Communicator", expert_y: jax.Array, d: Dispatched) -> Co
     """Start returning expert outputs (layout of d.expert_x, combine_dtype) to the tokens' owners."""
     validate.check_expert_y(comm, "combine_send", expert_y, d)
     rounds.check_open(comm, "combine", "combine_send")
-    state = comm.backend.combine_send(jax.lax.stop_gradient(expert_y), d._route, d._topk_idx)
-    rounds.opened(comm, "combine", state, "combine_send")
-    return CombineHandle(expert_y, d, state, comm.id)
+    handle = comm.backend.combine_send(jax.lax.stop_gradient(expert_y), d._route, d._topk_idx)
+    rounds.opened(comm, "combine", handle, "combine_send")
+    return CombineHandle(expert_y, d, handle, comm.id)
 
 
 def combine_recv(comm: "Communicator", handle: CombineHandle, topk_weights: jax.Array) -> jax.Array:
@@ -104,10 +96,10 @@ def combine_recv(comm: "Communicator", handle: CombineHandle, topk_weights: jax.
     if not isinstance(handle, CombineHandle):
         raise TypeError(f"jax_moe.combine_recv: expected the handle from combine_send, got {type(handle).__name__}")
     validate.check_comm(comm, "combine_recv", handle._comm_id, "handle")
-    rounds.closed(comm, "combine", handle._state, "combine_recv")
+    rounds.closed(comm, "combine", handle._handle, "combine_recv")
     d = handle._dispatched
     validate.check_weights(comm, "combine_recv", topk_weights, d._topk_idx)
-    return _combine_recv(comm, handle._expert_y, topk_weights, d._topk_idx, d._route, handle._state)
+    return _combine_recv(comm, handle._expert_y, topk_weights, d._topk_idx, d._route, handle._handle)
 
 
 def combine(comm: "Communicator", expert_y: jax.Array, topk_weights: jax.Array, d: Dispatched) -> jax.Array:
@@ -116,23 +108,23 @@ def combine(comm: "Communicator", expert_y: jax.Array, topk_weights: jax.Array, 
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _combine_recv(comm, expert_y, topk_weights, topk_idx, route, state):
-    return comm.backend.combine_recv(state, topk_weights, topk_idx)
+def _combine_recv(comm, expert_y, topk_weights, topk_idx, route, handle):
+    return comm.backend.combine_recv(handle, topk_weights, topk_idx)
 
 
-def _combine_recv_fwd(comm, expert_y, topk_weights, topk_idx, route, state):
-    out = comm.backend.combine_recv(state, topk_weights, topk_idx)
+def _combine_recv_fwd(comm, expert_y, topk_weights, topk_idx, route, handle):
+    out = comm.backend.combine_recv(handle, topk_weights, topk_idx)
     return out, (expert_y, topk_weights, topk_idx, route)
 
 
 def _combine_recv_bwd(comm, residuals, g_out):
     expert_y, topk_weights, topk_idx, route = residuals
-    valid = _valid(comm, topk_idx)
+    valid = valid_entries(topk_idx, comm.cfg.num_experts)
     g = g_out.astype(jnp.float32)
     w = jnp.where(valid, topk_weights.astype(jnp.float32), 0.0)
     rows = (w[:, :, None] * g[:, None, :]).astype(comm.cfg.combine_dtype)
-    g_y = comm.backend.dispatch_slots(rows, route, topk_idx).astype(expert_y.dtype)
-    y = comm.backend.combine_slots(expert_y, route, topk_idx).astype(jnp.float32)
+    g_y = comm.backend.dispatch_entries(rows, route, topk_idx).astype(expert_y.dtype)
+    y = comm.backend.combine_entries(expert_y, route, topk_idx).astype(jnp.float32)
     g_w = jnp.einsum("trh,th->tr", y, g, precision=jax.lax.Precision.HIGHEST)
     g_w = jnp.where(valid, g_w, 0.0).astype(topk_weights.dtype)
     return _per_rank(comm, g_y), _per_rank(comm, g_w), None, None, None

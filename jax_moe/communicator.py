@@ -10,6 +10,7 @@ import jax
 
 from jax_moe import api, backends
 from jax_moe.config import MoEConfig
+from jax_moe.contract import rows_per_peer
 from jax_moe.types import CombineHandle, Dispatched, DispatchHandle
 
 _ids = itertools.count(1)
@@ -91,11 +92,10 @@ class Communicator:
                              f"{self.num_ranks} ranks of axis {self.axis_name!r}")
         self.num_local_experts = cfg.num_experts // self.num_ranks
         # The most rows one rank can send to one peer: each token reaches at most min(R, L) experts of a peer.
-        self.rows_per_peer = cfg.max_tokens * min(cfg.experts_per_token, self.num_local_experts)
+        self.rows_per_peer = rows_per_peer(cfg.max_tokens, cfg.experts_per_token, self.num_local_experts)
         self.id = next(_ids)
         self.platform = _mesh_platform(mesh)
         self.backend = backends.resolve(backend, self.platform)(self)
-        self._reference_backend: Optional[Any] = None
 
     @property
     def max_recv_rows(self) -> int:
@@ -107,12 +107,16 @@ class Communicator:
         return self.backend.name
 
     @property
-    def _reference(self):
-        if self._reference_backend is None:
-            from jax_moe.backends.xla import XlaBackend
+    def bytes_allocated(self) -> int:
+        """Bytes of native buffers this process holds for this Communicator ("cpu": host memory; "cuda": on its GPUs;
+        "xla": 0)."""
+        return self.backend.bytes_allocated
 
-            self._reference_backend = self.backend if isinstance(self.backend, XlaBackend) else XlaBackend(self)
-        return self._reference_backend
+    def errors(self) -> list[str]:
+        """Reads and clears the errors the backend could not raise from a call: device errors of "cuda" in
+        command-buffer mode (JAX_MOE_CUDA_COMMAND_BUFFERS=1); [] for the others. Call it after the results are
+        ready."""
+        return self.backend.errors()
 
     def __repr__(self) -> str:
         return (f"Communicator({self.cfg.describe()}, axis={self.axis_name!r}, ranks={self.num_ranks}, "

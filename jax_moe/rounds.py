@@ -36,9 +36,9 @@ def _trace() -> Any:
     return core.trace_ctx.trace
 
 
-def _key(state: Any) -> Optional[Any]:
-    """The object that identifies a round: the first array of the send's state (a tracer, unique per trace)."""
-    leaves = jax.tree.leaves(state)
+def _key(handle: Any) -> Optional[Any]:
+    """The object that identifies a round: the first array of the send's handle (a tracer, unique per trace)."""
+    leaves = jax.tree.leaves(handle)
     return leaves[0] if leaves and isinstance(leaves[0], core.Tracer) else None
 
 
@@ -56,18 +56,18 @@ def check_open(comm: "Communicator", direction: str, op: str) -> None:
         f"Call {direction}_recv on the earlier handle first, or use another Communicator for this round.")
 
 
-def opened(comm: "Communicator", direction: str, state: Any, op: str) -> None:
-    """A send half was bound; `state` is what its receive consumes."""
-    key = _key(state)
+def opened(comm: "Communicator", direction: str, handle: Any, op: str) -> None:
+    """A send half was bound; `handle` (the backend's) is what its receive consumes."""
+    key = _key(handle)
     if key is None:  # evaluated eagerly: nothing can be reordered
         return
     table = _open.setdefault(_trace(), {}).setdefault((comm.id, direction), {})
     table[id(key)] = (weakref.ref(key), f"{op} #{len(table) + 1}")
 
 
-def closed(comm: "Communicator", direction: str, state: Any, op: str) -> None:
-    """The receive half of the round whose send returned `state` is about to be bound."""
-    key = _key(state)
+def closed(comm: "Communicator", direction: str, handle: Any, op: str) -> None:
+    """The receive half of the round whose send returned `handle` is about to be bound."""
+    key = _key(handle)
     if key is None:
         return
     seen = _received.setdefault(_trace(), {})

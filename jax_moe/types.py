@@ -1,6 +1,7 @@
 """The pytrees that dispatch/combine hand back: Dispatched and the send-half handles.
 
-Public fields are documented; fields starting with `_` are backend state that the next half consumes.
+Public fields are documented; fields starting with `_` are what the next half consumes (`_handle`: the backend's own
+handle from its send half).
 `comm_id` is static metadata so that a handle is never fed to another Communicator by mistake.
 """
 from __future__ import annotations
@@ -46,15 +47,15 @@ class Dispatched:
 class DispatchHandle:
     """What dispatch_send returns and dispatch_recv consumes (the data dependency orders the halves)."""
 
-    def __init__(self, x: jax.Array, x_scale: Optional[jax.Array], topk_idx: jax.Array, state: Any, comm_id: int):
+    def __init__(self, x: jax.Array, x_scale: Optional[jax.Array], topk_idx: jax.Array, handle: Any, comm_id: int):
         self._x = x                # the input itself, so that gradients flow from dispatch_recv to x
         self._x_scale = x_scale
         self._topk_idx = topk_idx
-        self._state = state
+        self._handle = handle      # the backend's dispatch_send handle
         self._comm_id = comm_id
 
     def tree_flatten(self):
-        return (self._x, self._x_scale, self._topk_idx, self._state), self._comm_id
+        return (self._x, self._x_scale, self._topk_idx, self._handle), self._comm_id
 
     @classmethod
     def tree_unflatten(cls, comm_id, children):
@@ -65,14 +66,14 @@ class DispatchHandle:
 class CombineHandle:
     """What combine_send returns and combine_recv consumes."""
 
-    def __init__(self, expert_y: jax.Array, dispatched: Dispatched, state: Any, comm_id: int):
+    def __init__(self, expert_y: jax.Array, dispatched: Dispatched, handle: Any, comm_id: int):
         self._expert_y = expert_y
         self._dispatched = dispatched
-        self._state = state
+        self._handle = handle      # the backend's combine_send handle
         self._comm_id = comm_id
 
     def tree_flatten(self):
-        return (self._expert_y, self._dispatched, self._state), self._comm_id
+        return (self._expert_y, self._dispatched, self._handle), self._comm_id
 
     @classmethod
     def tree_unflatten(cls, comm_id, children):

@@ -7,9 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_moe.types import Dispatched
+
 if TYPE_CHECKING:
     from jax_moe.communicator import Communicator
-    from jax_moe.types import Dispatched
 
 
 def _dt(a: Any) -> str:
@@ -73,9 +74,7 @@ def check_dispatch(comm: "Communicator", op: str, x: Any, topk_idx: Any, x_scale
                          f"{cfg.dispatch_dtype.name}")
 
 
-def check_expert_y(comm: "Communicator", op: str, expert_y: Any, d: "Dispatched") -> None:
-    from jax_moe.types import Dispatched
-
+def check_expert_y(comm: "Communicator", op: str, expert_y: Any, d: Dispatched) -> None:
     check_axis(comm, op)
     if not isinstance(d, Dispatched):
         raise TypeError(f"jax_moe.{op}: expected the Dispatched returned by dispatch, got {type(d).__name__}")

@@ -8,7 +8,7 @@ import sys
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
-sys.path.insert(0, os.path.dirname(__file__))  # tests/oracle.py and tests/helpers.py
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the `support` package (tests/support/)
 
 import pytest  # noqa: E402
 

@@ -6,8 +6,9 @@ import pytest
 
 import jax_moe
 from jax_moe.backends import cuda
+from jax_moe.backends.native import native_module
 
-_mod, _why = cuda._native()
+_mod, _why = native_module("cuda")
 pytestmark = pytest.mark.skipif(_mod is None, reason=f"no CUDA build: {_why}")
 
 

@@ -5,10 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import jax_moe
-from helpers import mesh_of, run
+from support.helpers import mesh_of, run
 
 N, E, R, H, T = 2, 8, 2, 128, 4
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from multiprocess import free_port, launch
+from support.multiprocess import free_port, launch
 
 TIMEOUT_S = 4.0
 

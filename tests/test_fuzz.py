@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 import jax_moe
-from helpers import backend_mesh, random_routing, random_tokens
-from test_reference import BACKENDS, check_roundtrip, roundtrip
+from support.helpers import BACKENDS, backend_mesh, check_roundtrip, random_routing, random_tokens, roundtrip
 
 CASES = int(os.environ.get("JAX_MOE_FUZZ_CASES", "3"))
 

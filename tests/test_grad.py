@@ -9,64 +9,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe
-from helpers import backend_mesh, mesh_of, random_routing
-from test_reference import BACKENDS
-
-
-def local_expert_of_rows(counts: jax.Array, rows: int) -> jax.Array:
-    starts = jnp.cumsum(counts) - counts
-    e = jnp.sum(jnp.arange(rows)[:, None] >= starts[None, :], axis=1) - 1
-    return jnp.clip(e, 0, counts.shape[0] - 1)
-
-
-def moe_loss_fn(comm, split_halves: bool):
-    axis = comm.axis_name
-
-    def body(x, idx, w, a, b, g):
-        if split_halves:
-            d = comm.dispatch_recv(comm.dispatch_send(x, idx))
-        else:
-            d = comm.dispatch(x, idx)
-        e = local_expert_of_rows(d.expert_counts, d.expert_x.shape[0])
-        y = (d.expert_x.astype(jnp.float32) * a[e] + b[e]).astype(jnp.bfloat16)
-        out = comm.combine_recv(comm.combine_send(y, d), w) if split_halves else comm.combine(y, w, d)
-        return jax.lax.psum(jnp.sum(out.astype(jnp.float32) * g), axis)
-
-    f = jax.shard_map(body, mesh=comm.mesh, in_specs=(P(axis),) * 6, out_specs=P())
-    return jax.jit(jax.grad(f, argnums=(0, 2, 3, 4)))
-
-
-def dense_loss(x, idx, w, a, b, g, num_experts):
-    valid = (idx >= 0) & (idx < num_experts)
-    safe = jnp.where(valid, idx, 0)
-    xf = x.astype(jnp.float32)[:, None, :]
-    y = xf * a[safe] + b[safe]  # [T, R, H]
-    out = jnp.sum(jnp.where(valid[..., None], w[..., None] * y, 0.0), axis=1)
-    return jnp.sum(out * g)
-
-
-def grad_problem(rng, n: int, t: int, r: int, e: int, hidden: int):
-    """(x, topk_idx, topk_weights, a, b, g): the arguments of moe_loss_fn / dense_loss, some routing slots masked."""
-    x = rng.standard_normal((n * t, hidden)).astype(jnp.bfloat16)
-    idx = random_routing(rng, n, t, r, e, mask=0.2)
-    w = rng.random((n * t, r)).astype(np.float32)
-    a = (1 + 0.5 * rng.standard_normal((e, hidden))).astype(np.float32)
-    b = (0.1 * rng.standard_normal((e, hidden))).astype(np.float32)
-    g = rng.standard_normal((n * t, hidden)).astype(np.float32)
-    return x, idx, w, a, b, g
-
-
-def check_grads(got, problem, num_experts: int) -> None:
-    """Gradients (x, topk_weights, a, b) of the MoE loss equal the dense reference; masked slots get no weight
-    gradient."""
-    x, idx, w, a, b, g = problem
-    want = jax.grad(dense_loss, argnums=(0, 2, 3, 4))(jnp.asarray(x), idx, w, a, b, g, num_experts)
-    for name, gv, wv in zip(("x", "topk_weights", "a", "b"), got, want):
-        gv, wv = np.asarray(gv, np.float32), np.asarray(wv, np.float32)
-        assert gv.shape == wv.shape, name
-        scale = np.abs(wv).max() + 1e-6
-        np.testing.assert_allclose(gv, wv, rtol=2e-2, atol=2e-2 * scale, err_msg=f"d loss / d {name}")
-    assert np.all(np.asarray(got[1])[idx < 0] == 0)
+from support.grads import check_grads, grad_problem, moe_loss_fn
+from support.helpers import BACKENDS, backend_mesh, mesh_of, random_routing
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe
-from helpers import mesh_of
 from jax_moe.nn import MoE
+from support.helpers import mesh_of
 
 N, HIDDEN, FFN, E, R = 4, 16, 16, 8, 2
 
@@ -70,13 +70,13 @@ def test_layer_releases_its_communicators(core):
     comm = m.comm_for(t)
     assert comm is m.comm_for(t) and comm.backend_name == "cpu"
     assert core.live_comms() == base + 1  # forward and backward, traced twice: one Communicator
-    slot = comm.backend.slot
-    assert comm.backend.bytes_allocated > 0
+    native_id = comm.backend.native_id
+    assert comm.bytes_allocated > 0
     del m, comm, y, grads
     collect()
     assert core.live_comms() == base
     with pytest.raises(ValueError, match="no CpuComm"):
-        core.bytes_allocated(slot)  # its buffers are gone with it
+        core.bytes_allocated(native_id)  # its buffers are gone with it
 
 
 def test_split_merge_state_keep_one_communicator_per_layer(core):

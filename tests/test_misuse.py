@@ -5,14 +5,13 @@ from __future__ import annotations
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_moe
-from helpers import backend_mesh, random_routing, random_tokens, shard
-from test_reference import BACKENDS, check_roundtrip, ranks_for, roundtrip
+from support.helpers import (BACKENDS, backend_mesh, check_roundtrip, random_routing, random_tokens, ranks_for,
+                             roundtrip, shard)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from multiprocess import free_port, launch
-from test_reference import CPU_BACKENDS
+from support.helpers import CPU_BACKENDS
+from support.multiprocess import free_port, launch
 
 
 @pytest.mark.multiprocess

@@ -11,9 +11,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe
-from helpers import backend_mesh, shard
-from program_shapes import run_all
-from test_reference import BACKENDS, ranks_for
+from support.helpers import BACKENDS, backend_mesh, ranks_for, shard
+from support.program_shapes import run_all
 
 
 def make(backend: str, n: int, fp8: bool = False, t: int = 4) -> jax_moe.Communicator:

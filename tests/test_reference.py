@@ -11,46 +11,8 @@ import numpy as np
 import pytest
 
 import jax_moe
-import oracle
-from helpers import (backend_mesh, bits, check_dispatch, expert_fn, mesh_of, oracle_expert, random_routing,
-                     random_tokens, run, split)
-
-CPU_BACKENDS = ["xla", "cpu"]
-BACKENDS = CPU_BACKENDS + [pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-def ranks_for(backend: str, n: int) -> int:
-    """n ranks, or 2 for "cuda" (the largest GPU machine lent here)."""
-    return 2 if backend == "cuda" else n
-
-
-def roundtrip(comm, x, idx, w, scale=None, split_halves=False):
-    """dispatch -> per-expert transform -> combine, per rank; returns global arrays."""
-
-    def body(x, idx, w, scale):
-        if split_halves:
-            d = comm.dispatch_recv(comm.dispatch_send(x, idx, x_scale=scale))
-        else:
-            d = comm.dispatch(x, idx, x_scale=scale)
-        y = expert_fn(d.expert_x, d.expert_counts, comm)
-        out = comm.combine_recv(comm.combine_send(y, d), w) if split_halves else comm.combine(y, w, d)
-        return d.expert_x, d.expert_x_scale, d.expert_counts, out
-
-    return run(comm, body, x, idx, w, scale, out_specs=jax.sharding.PartitionSpec(comm.axis_name))
-
-
-def check_roundtrip(comm, n, x, idx, w, scale, outs):
-    expert_x, expert_scale, counts, out = outs
-    row_of = check_dispatch(comm, n, x, idx, scale, expert_x, expert_scale, counts)
-    l = comm.num_local_experts
-    ex, cnt = split(expert_x, n), split(counts, n)
-    ys = [oracle_expert(ex[q][: cnt[q].sum()], cnt[q], q, l) for q in range(n)]
-    ref = oracle.combine(ys, split(w, n), split(idx, n), row_of, comm.cfg.num_experts)
-    got = split(np.asarray(out).astype(np.float32), n)
-    assert np.asarray(out).dtype == jnp.bfloat16
-    for s in range(n):
-        np.testing.assert_allclose(got[s], ref[s], rtol=1e-2, atol=1e-2 * np.abs(ref[s]).max(),
-                                   err_msg=f"combine on rank {s}")
+from support.helpers import (BACKENDS, backend_mesh, bits, check_roundtrip, expert_fn, mesh_of, random_routing,
+                             random_tokens, ranks_for, roundtrip, run)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_moe
-from helpers import expert_fn, mesh_of, random_routing, random_tokens, shard
+from support.helpers import expert_fn, mesh_of, random_routing, random_tokens, shard
 
 
 def rss_mb() -> float:

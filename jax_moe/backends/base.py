@@ -1,9 +1,8 @@
 """The interface every backend implements: the four halves, per rank, inside shard_map.
 
 The public API (jax_moe.api) validates inputs, wraps the halves in custom_vjp and builds the pytrees; a backend only
-moves rows. States are pytrees of arrays that one half hands to the next. The two per-slot variants are used by the
-gradients; the default implementations run the reference ("xla") protocol from `topk_idx`, which is valid for any
-backend because the row layout of `Dispatched.expert_x` is fixed by the contract, not by the backend.
+moves rows. A send half returns a *handle* (a pytree of arrays, the backend's own type) that its receive half
+consumes. The two per-entry variants (one row per (token, k)) are used by the gradients.
 """
 from __future__ import annotations
 
@@ -33,18 +32,18 @@ class Backend(abc.ABC):
     # --- the four halves ------------------------------------------------------------------------------------------
     @abc.abstractmethod
     def dispatch_send(self, x: jax.Array, x_scale: Optional[jax.Array], topk_idx: jax.Array) -> Any:
-        """Start moving token rows to the experts' ranks; returns the state dispatch_recv needs."""
+        """Start moving token rows to the experts' ranks; returns the handle dispatch_recv consumes."""
 
     @abc.abstractmethod
-    def dispatch_recv(self, state: Any) -> tuple[jax.Array, Optional[jax.Array], jax.Array, Any]:
+    def dispatch_recv(self, handle: Any) -> tuple[jax.Array, Optional[jax.Array], jax.Array, Any]:
         """Finish the dispatch: (expert_x, expert_x_scale or None, expert_counts, route for combine)."""
 
     @abc.abstractmethod
     def combine_send(self, expert_y: jax.Array, route: Any, topk_idx: jax.Array) -> Any:
-        """Start moving expert output rows back to the tokens' owners."""
+        """Start moving expert output rows back to the tokens' owners; returns the handle combine_recv consumes."""
 
     @abc.abstractmethod
-    def combine_recv(self, state: Any, topk_weights: jax.Array, topk_idx: jax.Array) -> jax.Array:
+    def combine_recv(self, handle: Any, topk_weights: jax.Array, topk_idx: jax.Array) -> jax.Array:
         """Finish the combine: [T, hidden] combine_dtype, the float32-accumulated weighted sum."""
 
     # --- gradients ------------------------------------------------------------------------------------------------
@@ -55,10 +54,20 @@ class Backend(abc.ABC):
         ones = jnp.ones(topk_idx.shape, jnp.float32)
         return self.combine_recv(self.combine_send(g_expert_x, route, topk_idx), ones, topk_idx)
 
-    def dispatch_slots(self, rows: jax.Array, route: Any, topk_idx: jax.Array) -> jax.Array:
+    @abc.abstractmethod
+    def dispatch_entries(self, rows: jax.Array, route: Any, topk_idx: jax.Array) -> jax.Array:
         """rows [T, R, hidden] (one row per (token, k)) -> [max_recv_rows, hidden] in the expert_x layout."""
-        return self.comm._reference.dispatch_slots(rows, None, topk_idx)
 
-    def combine_slots(self, expert_y: jax.Array, route: Any, topk_idx: jax.Array) -> jax.Array:
+    @abc.abstractmethod
+    def combine_entries(self, expert_y: jax.Array, route: Any, topk_idx: jax.Array) -> jax.Array:
         """expert_y [max_recv_rows, hidden] -> [T, R, hidden], row (t, k) = expert_y[row of (t, k)], 0 if masked."""
-        return self.comm._reference.combine_slots(expert_y, None, topk_idx)
+
+    # --- what the Communicator reports ----------------------------------------------------------------------------
+    def errors(self) -> list[str]:
+        """Errors the backend could not raise from a call (read and cleared); none for a backend that raises them."""
+        return []
+
+    @property
+    def bytes_allocated(self) -> int:
+        """Bytes of native buffers this process holds for the Communicator (0: none)."""
+        return 0

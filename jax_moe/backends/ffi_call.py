@@ -13,7 +13,7 @@ _keep_no_runtime_token).
 
 **vma types.** XLA custom calls know nothing of shard_map's varying-manual-axes types: their results come out
 invariant, which breaks custom_vjp and later arithmetic with per-rank values. Results are made varying over every
-axis an operand varies over, plus the Communicator's axes (they are per rank).
+axis an operand varies over, plus the Communicator's axes (they are per rank; jax_moe.contract.varying).
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ from jax._src import core, dispatch, effects  # private: the only way to declare
 from jax._src import ffi as _jax_ffi
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir.dialects import hlo
+
+from jax_moe.contract import varying, vma
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,21 +130,6 @@ mlir.register_lowering(_call_p, _lowering_cpu, platform="cpu")
 mlir.register_lowering(_call_p, _lowering_gpu, platform="cuda")
 
 
-def _vma(x: Any) -> frozenset:
-    """The manual axes x varies over (jax <= 0.10 keeps them in aval.mat.varying, later jax in aval.vma)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "mat", None), "varying", None)
-    return frozenset(vma or ())
-
-
-def varying(x: jax.Array, axes: frozenset) -> jax.Array:
-    """x, made varying over `axes` where it is not yet."""
-    missing = tuple(sorted(axes - _vma(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
 def _attr(v: Any) -> Any:
     """Attributes are primitive params: hashable, and typed as the handlers decode them (int64, bool, float)."""
     if isinstance(v, (bool, np.bool_)):
@@ -158,7 +145,7 @@ def ffi_call(target: str, results: Any, *args: jax.Array, axes: Iterable[str] = 
     # Gradients come from jax_moe.api's custom_vjp, never through the call itself; stop_gradient also drops the
     # (zero) tangents that integer routing arrays carry out of a custom_vjp.
     args = tuple(jax.lax.stop_gradient(jax.numpy.asarray(a)) for a in args)
-    vary = frozenset(axes).union(*(_vma(a) for a in args))
+    vary = frozenset(axes).union(*(vma(a) for a in args))
     args = tuple(varying(a, vary) for a in args)  # the vma rule wants operands that vary alike
     single = not isinstance(results, (tuple, list))
     specs = (results,) if single else tuple(results)

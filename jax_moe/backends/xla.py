@@ -15,31 +15,24 @@ import jax.numpy as jnp
 
 from jax_moe import payload
 from jax_moe.backends.base import Backend
+from jax_moe.contract import sanitize_topk
 
 
-class Route(NamedTuple):
-    slot: jax.Array  # [T*R] int32: send-buffer row of each (token, k); N*C when masked
-    dest: jax.Array  # [N*C] int32: expert_x row of each received row; N*C when the row is empty
+class XlaRoute(NamedTuple):
+    # position[t*R + k]: the send-buffer row of (t, k), peer * C + the row of the peer's block it goes to; N*C if masked
+    position: jax.Array  # [T*R] int32
+    dest: jax.Array      # [N*C] int32: expert_x row of each received row; N*C when the row is empty
 
 
-class SendState(NamedTuple):
+class XlaDispatchHandle(NamedTuple):
     recv: jax.Array         # [N*C, row_bytes] uint8, block s from source rank s
     recv_counts: jax.Array  # [N, L] int32, rows per (source rank, local expert)
-    slot: jax.Array         # [T*R] int32
+    position: jax.Array     # [T*R] int32
 
 
-class CombineState(NamedTuple):
-    ret: jax.Array   # [N*C, hidden] combine-dtype bits, back in this rank's send-buffer order
-    slot: jax.Array  # [T*R] int32
-
-
-def sanitize_topk(topk_idx: jax.Array, num_experts: int) -> jax.Array:
-    """Out-of-range ids and repeats of an expert within a token become masked (-1): never written anywhere."""
-    idx = jnp.where((topk_idx >= 0) & (topk_idx < num_experts), topk_idx, -1)
-    r = idx.shape[1]
-    earlier = jnp.tril(jnp.ones((r, r), bool), k=-1)  # earlier[k, k'] = k' < k
-    repeat = jnp.any((idx[:, :, None] == idx[:, None, :]) & earlier & (idx[:, :, None] >= 0), axis=-1)
-    return jnp.where(repeat, -1, idx)
+class XlaCombineHandle(NamedTuple):
+    ret: jax.Array       # [N*C, hidden] combine-dtype bits, back in this rank's send-buffer order
+    position: jax.Array  # [T*R] int32
 
 
 class XlaBackend(Backend):
@@ -62,7 +55,7 @@ class XlaBackend(Backend):
 
     # --- routing --------------------------------------------------------------------------------------------------
     def _send_plan(self, topk_idx: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(slot [T*R], send_counts [N, L]) for this rank's routing."""
+        """(position [T*R], send_counts [N, L]) for this rank's routing."""
         n, l, c = self._n, self._l, self._c
         e = n * l
         flat = sanitize_topk(topk_idx, e).reshape(-1)
@@ -75,9 +68,9 @@ class XlaBackend(Backend):
         sorted_key = key[order]
         peer = sorted_key // l  # == n for masked rows
         pos = jnp.arange(flat.shape[0], dtype=jnp.int32) - peer_start[peer]
-        slot_sorted = jnp.where(sorted_key < e, peer * c + pos, n * c).astype(jnp.int32)
-        slot = jnp.zeros_like(slot_sorted).at[order].set(slot_sorted)
-        return slot, send_counts
+        position_sorted = jnp.where(sorted_key < e, peer * c + pos, n * c).astype(jnp.int32)
+        position = jnp.zeros_like(position_sorted).at[order].set(position_sorted)
+        return position, send_counts
 
     def _dest(self, recv_counts: jax.Array) -> jax.Array:
         """[N*C] expert_x row of every received row (N*C for empty rows), from the counts every sender sent."""
@@ -95,59 +88,60 @@ class XlaBackend(Backend):
         dest = expert_start[expert] + source_start[s, expert] + j[None, :] - block_start[s, expert]
         return jnp.where(valid, dest, n * c).astype(jnp.int32).reshape(-1)
 
-    def _route(self, topk_idx: jax.Array) -> Route:
-        slot, send_counts = self._send_plan(topk_idx)
+    def _route(self, topk_idx: jax.Array) -> XlaRoute:
+        position, send_counts = self._send_plan(topk_idx)
         recv_counts = self._a2a(send_counts.reshape(-1)).reshape(self._n, self._l)
-        return Route(slot, self._dest(recv_counts))
+        return XlaRoute(position, self._dest(recv_counts))
 
     # --- moving rows ----------------------------------------------------------------------------------------------
-    def _scatter_send(self, rows: jax.Array, slot: jax.Array) -> jax.Array:
+    def _scatter_send(self, rows: jax.Array, position: jax.Array) -> jax.Array:
         """rows [T*R, B] -> received rows [N*C, B] (block s from source s)."""
-        send = jnp.zeros((self._n * self._c, rows.shape[-1]), rows.dtype).at[slot].set(rows, mode="drop")
+        send = jnp.zeros((self._n * self._c, rows.shape[-1]), rows.dtype).at[position].set(rows, mode="drop")
         return self._a2a(send)
 
     def _place(self, recv: jax.Array, dest: jax.Array) -> jax.Array:
         m = self._n * self._c
         return jnp.zeros((m, recv.shape[-1]), recv.dtype).at[dest].set(recv, mode="drop", unique_indices=True)
 
-    def _returned_rows(self, state: "CombineState") -> jax.Array:
+    def _returned_rows(self, handle: XlaCombineHandle) -> jax.Array:
         """[T*R, H] combine-dtype bits: row (t, k) = the expert output sent back for it, or 0 when masked."""
-        return jnp.take(state.ret, state.slot, axis=0, mode="fill", fill_value=0)
+        return jnp.take(handle.ret, handle.position, axis=0, mode="fill", fill_value=0)
 
     # --- the four halves ------------------------------------------------------------------------------------------
-    def dispatch_send(self, x, x_scale, topk_idx) -> SendState:
-        slot, send_counts = self._send_plan(topk_idx)
+    def dispatch_send(self, x, x_scale, topk_idx) -> XlaDispatchHandle:
+        position, send_counts = self._send_plan(topk_idx)
         rows = jnp.repeat(payload.pack_rows(x, x_scale), topk_idx.shape[1], axis=0)  # row f = token f // R
-        recv = self._scatter_send(rows, slot)
+        recv = self._scatter_send(rows, position)
         recv_counts = self._a2a(send_counts.reshape(-1)).reshape(self._n, self._l)
-        return SendState(recv, recv_counts, slot)
+        return XlaDispatchHandle(recv, recv_counts, position)
 
-    def dispatch_recv(self, state: SendState):
-        dest = self._dest(state.recv_counts)
-        placed = self._place(state.recv, dest)
+    def dispatch_recv(self, handle: XlaDispatchHandle):
+        dest = self._dest(handle.recv_counts)
+        placed = self._place(handle.recv, dest)
         x, scale = payload.unpack_rows(placed, self.cfg.dispatch_dtype, self.cfg.hidden, self.cfg.num_scales)
-        return x, scale, state.recv_counts.sum(axis=0), Route(state.slot, dest)
+        return x, scale, handle.recv_counts.sum(axis=0), XlaRoute(handle.position, dest)
 
-    def combine_send(self, expert_y, route: Route, topk_idx) -> CombineState:
+    def combine_send(self, expert_y, route: XlaRoute, topk_idx) -> XlaCombineHandle:
         bits = jax.lax.bitcast_convert_type(expert_y, jnp.uint16)
-        return CombineState(self._a2a(jnp.take(bits, route.dest, axis=0, mode="fill", fill_value=0)), route.slot)
+        return XlaCombineHandle(self._a2a(jnp.take(bits, route.dest, axis=0, mode="fill", fill_value=0)),
+                                route.position)
 
-    def combine_recv(self, state: CombineState, topk_weights, topk_idx):
+    def combine_recv(self, handle: XlaCombineHandle, topk_weights, topk_idx):
         t, r = topk_idx.shape
-        bits = self._returned_rows(state)
+        bits = self._returned_rows(handle)
         y = jax.lax.bitcast_convert_type(bits, self.cfg.combine_dtype).astype(jnp.float32).reshape(t, r, -1)
-        valid = (state.slot < self._n * self._c).reshape(topk_idx.shape)
+        valid = (handle.position < self._n * self._c).reshape(topk_idx.shape)
         w = jnp.where(valid, topk_weights.astype(jnp.float32), 0.0)
         return jnp.einsum("trh,tr->th", y, w, precision=jax.lax.Precision.HIGHEST).astype(self.cfg.combine_dtype)
 
-    # --- per-slot variants (gradients); `route` may come from another backend, so recompute when absent ---------------
-    def dispatch_slots(self, rows, route: Optional[Route], topk_idx):
-        route = route if isinstance(route, Route) else self._route(topk_idx)
+    # --- per-entry variants (gradients); `route` may come from another backend, so recompute when it does ----------
+    def dispatch_entries(self, rows, route: Optional[XlaRoute], topk_idx):
+        route = route if isinstance(route, XlaRoute) else self._route(topk_idx)
         flat = payload.to_bytes(rows.reshape(-1, rows.shape[-1]))
-        placed = self._place(self._scatter_send(flat, route.slot), route.dest)
+        placed = self._place(self._scatter_send(flat, route.position), route.dest)
         return payload.from_bytes(placed, rows.dtype, rows.shape[-1])
 
-    def combine_slots(self, expert_y, route: Optional[Route], topk_idx):
-        route = route if isinstance(route, Route) else self._route(topk_idx)
+    def combine_entries(self, expert_y, route: Optional[XlaRoute], topk_idx):
+        route = route if isinstance(route, XlaRoute) else self._route(topk_idx)
         bits = self._returned_rows(self.combine_send(expert_y, route, topk_idx))
         return jax.lax.bitcast_convert_type(bits, expert_y.dtype).reshape(*topk_idx.shape, -1)

@@ -27,6 +27,9 @@ from jax.sharding import PartitionSpec as P
 
 import jax_moe
 from jax_moe import payload
+from jax_moe.backends import cpu as cpu_backend
+from jax_moe.backends import cuda as cuda_backend
+from jax_moe.backends.native import native_module
 from jax_moe.types import CombineHandle, DispatchHandle
 
 SHAPES = {  # name: (tokens per rank, hidden, experts, top-k, fp8 dispatch)
@@ -120,14 +123,14 @@ def _api_iteration(comm, stamp, x, xs, idx, w, dep, split=True):
     what a caller sees from the one-shot calls, without the cost of an extra custom call in the middle."""
     x, t0 = stamp(x, dep)
     h = comm.dispatch_send(x, idx, x_scale=xs)
-    state, t1 = _stamp_tree(h._state, stamp) if split else (h._state, t0)
-    d = comm.dispatch_recv(DispatchHandle(h._x, h._x_scale, h._topk_idx, state, h._comm_id))
+    handle, t1 = _stamp_tree(h._handle, stamp) if split else (h._handle, t0)
+    d = comm.dispatch_recv(DispatchHandle(h._x, h._x_scale, h._topk_idx, handle, h._comm_id))
     ex, t2 = stamp(d.expert_x, d.expert_counts)
     y = ex.astype(comm.cfg.combine_dtype)  # the experts' stand-in: fp8 -> bf16, not timed
     y, t3 = stamp(y, y)
     c = comm.combine_send(y, d)
-    cstate, t4 = _stamp_tree(c._state, stamp) if split else (c._state, t3)
-    out = comm.combine_recv(CombineHandle(c._expert_y, c._dispatched, cstate, c._comm_id), w)
+    chandle, t4 = _stamp_tree(c._handle, stamp) if split else (c._handle, t3)
+    out = comm.combine_recv(CombineHandle(c._expert_y, c._dispatched, chandle, c._comm_id), w)
     out, t5 = stamp(out, out)
     return out, jnp.concatenate([t0, t1, t2, t3, t4, t5])
 
@@ -166,8 +169,8 @@ def _ragged_iteration(n, l, axis, stamp, x, xs, idx, w, dep):
     back_out = (jnp.cumsum(all_sizes, axis=1) - all_sizes)[:, me]       # where each source expects my rows
     ret = jax.lax.ragged_all_to_all(back, jnp.zeros((t * r, y.shape[1]), y.dtype), back_in, back_sizes,
                                     back_out, send_sizes, axis_name=axis)
-    slots = jnp.zeros_like(ret).at[order].set(ret).reshape(t, r, -1).astype(jnp.float32)
-    out = jnp.einsum("trh,tr->th", slots, w).astype(jnp.bfloat16)
+    entries = jnp.zeros_like(ret).at[order].set(ret).reshape(t, r, -1).astype(jnp.float32)
+    out = jnp.einsum("trh,tr->th", entries, w).astype(jnp.bfloat16)
     out, t5 = stamp(out, out)
     return out, jnp.concatenate([t0, t0, t2, t3, t3, t5])
 
@@ -182,8 +185,7 @@ def _busy(x):
 
 
 def _gpu_run(kind, comm_or_none, mesh, n, l, inputs, iters, unroll, warmup, split=True):
-    from jax_moe.backends.cuda import timestamp
-
+    timestamp = cuda_backend.timestamp
     axis = mesh.axis_names[0]
     x, xs, idx, w = inputs
 
@@ -225,8 +227,7 @@ def _gpu_run(kind, comm_or_none, mesh, n, l, inputs, iters, unroll, warmup, spli
 
 def _cpu_run(comm, mesh, inputs, iters, warmup):
     """Host-clock stamps between the halves (the same chain as on GPU, one iteration per program)."""
-    from jax_moe.backends.cpu import timestamp
-
+    timestamp = cpu_backend.timestamp
     axis = mesh.axis_names[0]
     x, xs, idx, w = inputs
 
@@ -281,9 +282,7 @@ def _peer_bandwidth(platform, n):
     if platform != "gpu":
         return None
     try:
-        from jax_moe.backends.cuda import _native
-
-        mod, _ = _native()
+        mod, _ = native_module("cuda")
         if mod is None:
             return None
         devs = jax.devices("gpu")
@@ -423,8 +422,8 @@ def main(argv) -> int:
             rec = {"shape": shape, "tokens": t, "hidden": hidden, "experts": e, "topk": r, "fp8": fp8,
                    "ranks": n, "backend": backend, "stats": stats, "remote_dispatch_bytes": disp_bytes,
                    "remote_combine_bytes": comb_bytes, "seconds": time.perf_counter() - started}
-            if comm is not None and hasattr(comm.backend, "bytes_per_device"):
-                rec["buffer_bytes_per_device"] = int(comm.backend.bytes_per_device)
+            if comm is not None and backend == "cuda":
+                rec["buffer_bytes_per_device"] = cuda_backend.buffer_bytes(comm.cfg, comm.num_ranks)
             if backend == "cuda":  # moves each token once per rank: the bytes on NVLink
                 rec["remote_dispatch_bytes_sent"] = token_bytes
                 trace = _trace_summary(comm)

@@ -209,9 +209,9 @@ std::string CpuComm::Name(const Rank& me, int64_t rank) const {
 }
 
 // --- receiving ------------------------------------------------------------------------------------------------------------
-uint64_t CpuComm::HandleRound(const Direction& d, const int32_t* handle, const char* op) const {
-  const uint64_t round = uint32_t(handle[0]);
-  if (uint32_t(handle[1]) != options_.comm_id || round == 0 || round > d.channel->send_round()) {
+uint64_t CpuComm::TicketRound(const Direction& d, const int32_t* ticket, const char* op) const {
+  const uint64_t round = uint32_t(ticket[0]);
+  if (uint32_t(ticket[1]) != options_.comm_id || round == 0 || round > d.channel->send_round()) {
     Throw(ErrorCode::kInvalidArgument,
           std::string(op) + ": the handle does not come from this Communicator's send half on this device");
   }

@@ -64,17 +64,17 @@ class CpuComm {
   // CpuComms alive in this process.
   static int64_t Live();
 
-  // The four halves, for the local rank on `device`. Handles are int32[2] = {round, comm_id}. They throw
+  // The four halves, for the local rank on `device`. Tickets are int32[2] = {round, comm_id}. They throw
   // jax_moe::Error; any error marks the CpuComm failed.
   // per_entry: x holds one row per (token, k) entry ([T * R] rows, no scales) instead of one per token (gradients).
   // position [T * R]: where each entry went, p * C + row in p's region, or -1 when masked.
   void DispatchSend(int64_t device, const uint8_t* x, const uint8_t* x_scale, const int32_t* topk_idx, int64_t tokens,
-                    bool per_entry, int32_t* position, int32_t* handle);
-  void DispatchRecv(int64_t device, const int32_t* handle, uint8_t* expert_x, uint8_t* expert_x_scale,
+                    bool per_entry, int32_t* position, int32_t* ticket);
+  void DispatchRecv(int64_t device, const int32_t* ticket, uint8_t* expert_x, uint8_t* expert_x_scale,
                     int32_t* expert_counts, int32_t* dest);
-  void CombineSend(int64_t device, const uint8_t* expert_y, const int32_t* dest, int32_t* handle);
+  void CombineSend(int64_t device, const uint8_t* expert_y, const int32_t* dest, int32_t* ticket);
   // reduce: out [T, H] = float32 sum of w * y over k; else out [T * R, H] = each entry's row, 0 if masked.
-  void CombineRecv(int64_t device, const int32_t* handle, const float* topk_weights, const int32_t* position,
+  void CombineRecv(int64_t device, const int32_t* ticket, const float* topk_weights, const int32_t* position,
                    int64_t tokens, bool reduce, uint8_t* out);
 
   struct Rank;
@@ -84,8 +84,8 @@ class CpuComm {
 
  private:
   Rank& RankOf(int64_t device);
-  // The round a receive half's handle names, checked against this Communicator and rank.
-  uint64_t HandleRound(const Direction& d, const int32_t* handle, const char* op) const;
+  // The round a receive half's ticket names, checked against this Communicator and rank.
+  uint64_t TicketRound(const Direction& d, const int32_t* ticket, const char* op) const;
   // Waits (bounded) for every sender's region of `round`, runs `finish` on them, then releases the lane.
   void Receive(Rank& me, Direction& d, uint64_t round, const std::function<void()>& finish);
 

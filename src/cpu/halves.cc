@@ -53,14 +53,14 @@ void CheckLaneFree(const CpuComm::Direction& d, const char* op, const std::strin
   const int64_t lanes = d.channel->lanes().count;
   if (d.channel->send_round() - d.channel->received() < uint64_t(lanes)) return;
   Throw(ErrorCode::kMisuse, std::string(op) + " on " + who + ": the " + std::to_string(lanes) +
-                                " previous rounds of this direction were sent and never received (a handle must "
+                                " previous rounds of this direction were sent and never received (a ticket must "
                                 "reach its receive half exactly once); this Communicator cannot go on: build a new "
                                 "one");
 }
 
-void WriteHandle(int32_t* handle, uint64_t round, uint32_t comm_id) {
-  handle[0] = int32_t(round & 0x7fffffff);
-  handle[1] = int32_t(comm_id);
+void WriteTicket(int32_t* ticket, uint64_t round, uint32_t comm_id) {
+  ticket[0] = int32_t(round & 0x7fffffff);
+  ticket[1] = int32_t(comm_id);
 }
 
 }  // namespace
@@ -75,7 +75,7 @@ std::string SenderFailure(const CpuComm::Direction& d, const MoeShape& s, uint32
 }
 
 void CpuComm::DispatchSend(int64_t device, const uint8_t* x, const uint8_t* x_scale, const int32_t* topk_idx,
-                           int64_t tokens, bool per_entry, int32_t* position, int32_t* handle) {
+                           int64_t tokens, bool per_entry, int32_t* position, int32_t* ticket) {
   proxy_->Guard([&] {
     Rank& me = RankOf(device);
     const MoeShape& s = options_.shape;
@@ -105,7 +105,7 @@ void CpuComm::DispatchSend(int64_t device, const uint8_t* x, const uint8_t* x_sc
       }
     });
     std::copy(me.plan.position.begin(), me.plan.position.end(), position);
-    WriteHandle(handle, round, options_.comm_id);
+    WriteTicket(ticket, round, options_.comm_id);
     if (bad) {
       // The region carrying the error must reach the other processes before ours may exit on it: they fail at
       // once with it instead of waiting for the timeout.
@@ -124,13 +124,13 @@ void CpuComm::DispatchSend(int64_t device, const uint8_t* x, const uint8_t* x_sc
   });
 }
 
-void CpuComm::DispatchRecv(int64_t device, const int32_t* handle, uint8_t* expert_x, uint8_t* expert_x_scale,
+void CpuComm::DispatchRecv(int64_t device, const int32_t* ticket, uint8_t* expert_x, uint8_t* expert_x_scale,
                            int32_t* expert_counts, int32_t* dest) {
   proxy_->Guard([&] {
     Rank& me = RankOf(device);
     Direction& d = me.dispatch;
     d.channel->CountReceived();
-    const uint64_t round = HandleRound(d, handle, "dispatch_recv");
+    const uint64_t round = TicketRound(d, ticket, "dispatch_recv");
     Receive(me, d, round, [&] {
       const MoeShape& s = options_.shape;
       auto headers = CheckedHeaders(d, s, options_.comm_id, round, [&](int64_t p) { return Name(me, p); });
@@ -156,7 +156,7 @@ void CpuComm::DispatchRecv(int64_t device, const int32_t* handle, uint8_t* exper
   });
 }
 
-void CpuComm::CombineSend(int64_t device, const uint8_t* expert_y, const int32_t* dest, int32_t* handle) {
+void CpuComm::CombineSend(int64_t device, const uint8_t* expert_y, const int32_t* dest, int32_t* ticket) {
   proxy_->Guard([&] {
     Rank& me = RankOf(device);
     const MoeShape& s = options_.shape;
@@ -184,17 +184,17 @@ void CpuComm::CombineSend(int64_t device, const uint8_t* expert_y, const int32_t
         WriteHeader(regions[p], s, options_.comm_id, round, me.info.rank, rows[p], nullptr, 0, 0);
       }
     });
-    WriteHandle(handle, round, options_.comm_id);
+    WriteTicket(ticket, round, options_.comm_id);
   });
 }
 
-void CpuComm::CombineRecv(int64_t device, const int32_t* handle, const float* topk_weights, const int32_t* position,
+void CpuComm::CombineRecv(int64_t device, const int32_t* ticket, const float* topk_weights, const int32_t* position,
                           int64_t tokens, bool reduce, uint8_t* out) {
   proxy_->Guard([&] {
     Rank& me = RankOf(device);
     Direction& d = me.combine;
     d.channel->CountReceived();
-    const uint64_t round = HandleRound(d, handle, "combine_recv");
+    const uint64_t round = TicketRound(d, ticket, "combine_recv");
     Receive(me, d, round, [&] {
       const MoeShape& s = options_.shape;
       auto headers = CheckedHeaders(d, s, options_.comm_id, round, [&](int64_t p) { return Name(me, p); });

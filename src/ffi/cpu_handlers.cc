@@ -31,7 +31,7 @@ ffi::Error WithComm(int64_t comm_id, Fn&& fn) {
 
 ffi::Error DispatchSend(int32_t device, int64_t comm_id, bool per_entry, ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
                         ffi::Buffer<ffi::S32> topk_idx, ffi::Result<ffi::Token>, ffi::Result<ffi::Buffer<ffi::S32>> position,
-                        ffi::Result<ffi::Buffer<ffi::S32>> handle) {
+                        ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
   auto comm = cpu::FindComm(uint32_t(comm_id));
   const int64_t t = topk_idx.dimensions().size() == 2 ? topk_idx.dimensions()[0] : -1;
   if (comm) {
@@ -44,18 +44,18 @@ ffi::Error DispatchSend(int32_t device, int64_t comm_id, bool per_entry, ffi::To
       return Mismatch("x_scale");
     }
     if (!HasDims(topk_idx, {t, s.experts_per_token}) || !HasDims(*position, {t * s.experts_per_token}) ||
-        handle->element_count() != 2) {
+        ticket->element_count() != 2) {
       return Mismatch("topk_idx");
     }
   }
   return WithComm(comm_id, [&](cpu::CpuComm& c) {
     c.DispatchSend(device, static_cast<const uint8_t*>(x.untyped_data()),
                    static_cast<const uint8_t*>(x_scale.untyped_data()), topk_idx.typed_data(), t, per_entry,
-                   position->typed_data(), handle->typed_data());
+                   position->typed_data(), ticket->typed_data());
   });
 }
 
-ffi::Error DispatchRecv(int32_t device, int64_t comm_id, ffi::Token, ffi::Buffer<ffi::S32> handle,
+ffi::Error DispatchRecv(int32_t device, int64_t comm_id, ffi::Token, ffi::Buffer<ffi::S32> ticket,
                          ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> expert_x, ffi::Result<ffi::AnyBuffer> expert_x_scale,
                          ffi::Result<ffi::Buffer<ffi::S32>> counts, ffi::Result<ffi::Buffer<ffi::S32>> dest) {
   auto comm = cpu::FindComm(uint32_t(comm_id));
@@ -66,32 +66,32 @@ ffi::Error DispatchRecv(int32_t device, int64_t comm_id, ffi::Token, ffi::Buffer
       return Mismatch("expert_x");
     }
     if (!HasDims(*expert_x_scale, {m, s.num_scales})) return Mismatch("expert_x_scale");
-    if (!HasDims(*counts, {s.local_experts}) || !HasDims(*dest, {m}) || handle.element_count() != 2) {
+    if (!HasDims(*counts, {s.local_experts}) || !HasDims(*dest, {m}) || ticket.element_count() != 2) {
       return Mismatch("dispatch_recv outputs");
     }
   }
   return WithComm(comm_id, [&](cpu::CpuComm& c) {
-    c.DispatchRecv(device, handle.typed_data(), static_cast<uint8_t*>(expert_x->untyped_data()),
+    c.DispatchRecv(device, ticket.typed_data(), static_cast<uint8_t*>(expert_x->untyped_data()),
                    static_cast<uint8_t*>(expert_x_scale->untyped_data()), counts->typed_data(), dest->typed_data());
   });
 }
 
 ffi::Error CombineSend(int32_t device, int64_t comm_id, ffi::Token, ffi::AnyBuffer expert_y, ffi::Buffer<ffi::S32> dest,
-                       ffi::Result<ffi::Token>, ffi::Result<ffi::Buffer<ffi::S32>> handle) {
+                       ffi::Result<ffi::Token>, ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
   auto comm = cpu::FindComm(uint32_t(comm_id));
   if (comm) {
     const auto& s = comm->options().shape;
     const int64_t m = s.max_recv_rows();
     if (!HasDims(expert_y, {m, s.hidden}) || expert_y.element_type() != ffi::BF16) return Mismatch("expert_y");
-    if (!HasDims(dest, {m}) || handle->element_count() != 2) return Mismatch("the dispatch route");
+    if (!HasDims(dest, {m}) || ticket->element_count() != 2) return Mismatch("the dispatch route");
   }
   return WithComm(comm_id, [&](cpu::CpuComm& c) {
     c.CombineSend(device, static_cast<const uint8_t*>(expert_y.untyped_data()), dest.typed_data(),
-                  handle->typed_data());
+                  ticket->typed_data());
   });
 }
 
-ffi::Error CombineRecv(int32_t device, int64_t comm_id, bool reduce, ffi::Token, ffi::Buffer<ffi::S32> handle,
+ffi::Error CombineRecv(int32_t device, int64_t comm_id, bool reduce, ffi::Token, ffi::Buffer<ffi::S32> ticket,
                         ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> position,
                         ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> out) {
   auto comm = cpu::FindComm(uint32_t(comm_id));
@@ -102,12 +102,12 @@ ffi::Error CombineRecv(int32_t device, int64_t comm_id, bool reduce, ffi::Token,
       return Mismatch("combine output");
     }
     if (!HasDims(topk_weights, {t, s.experts_per_token}) || !HasDims(position, {t * s.experts_per_token}) ||
-        handle.element_count() != 2) {
+        ticket.element_count() != 2) {
       return Mismatch("topk_weights");
     }
   }
   return WithComm(comm_id, [&](cpu::CpuComm& c) {
-    c.CombineRecv(device, handle.typed_data(), topk_weights.typed_data(), position.typed_data(), t, reduce,
+    c.CombineRecv(device, ticket.typed_data(), topk_weights.typed_data(), position.typed_data(), t, reduce,
                   static_cast<uint8_t*>(out->untyped_data()));
   });
 }

@@ -13,7 +13,7 @@ namespace {
 constexpr int kRecvThreads = 128;  // combine_recv: one thread per 16-byte output vector of a 128-vector piece
 
 __global__ void __launch_bounds__(kThreads)
-    CombineSendKernel(KernelArgs a, int ch, const uint8_t* y, const int32_t* route, int32_t* handle) {
+    CombineSendKernel(KernelArgs a, int ch, const uint8_t* y, const int32_t* route, int32_t* ticket) {
   const MoeShape& s = a.s;
   const int half = kCombineSend + 2 * ch, flag = kCombineFlag + 2 * ch, ack = kCombineAck + 2 * ch;
   const unsigned long long epoch = Local(a)->epoch[half] + 1;
@@ -46,8 +46,8 @@ __global__ void __launch_bounds__(kThreads)
   FinishBlock(a, half, [&](LocalSync* ls) {
     for (int p = 0; p < s.num_ranks; ++p) StoreReleaseSys(Flags(Peer(a, p), a, flag) + a.rank, epoch);
     ls->epoch[half] = epoch;
-    handle[0] = static_cast<int32_t>(epoch);
-    handle[1] = handle[2] = handle[3] = 0;
+    ticket[0] = static_cast<int32_t>(epoch);
+    ticket[1] = ticket[2] = ticket[3] = 0;
   });
 }
 
@@ -129,10 +129,10 @@ __global__ void TimestampKernel(uint64_t* out) { out[0] = GlobalTimer(); }
 }  // namespace
 
 cudaError_t LaunchCombineSend(const KernelArgs& a, int channel, const void* expert_y, const int32_t* route,
-                              int32_t* handle, cudaStream_t stream) {
+                              int32_t* ticket, cudaStream_t stream) {
   // A warp per 4 KiB piece of a row (the rows received are not known on the host): every SM takes part.
   const int grid = GridFor(a.s.max_recv_rows() * ChunksOf(a.s.combine_row_bytes()), kWarps, a.num_sms);
-  CombineSendKernel<<<grid, kThreads, 0, stream>>>(a, channel, static_cast<const uint8_t*>(expert_y), route, handle);
+  CombineSendKernel<<<grid, kThreads, 0, stream>>>(a, channel, static_cast<const uint8_t*>(expert_y), route, ticket);
   return cudaGetLastError();
 }
 

@@ -18,7 +18,7 @@ namespace {
 // Ids outside [0, E) other than -1 are masked and reported (block 0 checks them).
 __global__ void __launch_bounds__(kThreads)
     DispatchSendKernel(KernelArgs a, int tokens, const uint8_t* x, const uint8_t* xs, const int32_t* idx,
-                       int32_t* handle) {
+                       int32_t* ticket) {
   const MoeShape& s = a.s;
   const int experts = s.num_experts, r = s.experts_per_token, n = s.num_ranks;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -92,8 +92,8 @@ __global__ void __launch_bounds__(kThreads)
   FinishBlock(a, kDispatchSend, [&](LocalSync* ls) {
     for (int p = 0; p < n; ++p) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchFlag) + a.rank, epoch);
     ls->epoch[kDispatchSend] = epoch;
-    handle[0] = static_cast<int32_t>(epoch);
-    handle[1] = handle[2] = handle[3] = 0;
+    ticket[0] = static_cast<int32_t>(epoch);
+    ticket[1] = ticket[2] = ticket[3] = 0;
   });
 }
 
@@ -203,12 +203,12 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 cudaError_t LaunchDispatchSend(const KernelArgs& a, int tokens, const void* x, const void* x_scale,
-                               const int32_t* topk_idx, int32_t* handle, cudaStream_t stream) {
+                               const int32_t* topk_idx, int32_t* ticket, cudaStream_t stream) {
   // Enough blocks for one per expert scan and for every (token, rank) copy to have its warp, up to 2 per SM.
   int grid = GridFor(static_cast<long long>(tokens) * a.s.num_ranks * ChunksOf(a.s.x_bytes()), kWarps, a.num_sms);
   if (grid < a.s.num_experts) grid = a.s.num_experts < 2 * a.num_sms ? a.s.num_experts : 2 * a.num_sms;
   DispatchSendKernel<<<grid, kThreads, 0, stream>>>(a, tokens, static_cast<const uint8_t*>(x),
-                                                    static_cast<const uint8_t*>(x_scale), topk_idx, handle);
+                                                    static_cast<const uint8_t*>(x_scale), topk_idx, ticket);
   return cudaGetLastError();
 }
 

@@ -9,9 +9,9 @@
 namespace jax_moe::cuda {
 
 // x [T, x_bytes], x_scale [T, scale_bytes] (or null), topk_idx [T, R] -> rows in the peers' receive areas.
-// handle [4] int32 gets the epoch (it only orders dispatch_recv after this call).
+// ticket [4] int32 gets the epoch (it only orders dispatch_recv after this call).
 cudaError_t LaunchDispatchSend(const KernelArgs& a, int tokens, const void* x, const void* x_scale,
-                               const int32_t* topk_idx, int32_t* handle, cudaStream_t stream);
+                               const int32_t* topk_idx, int32_t* ticket, cudaStream_t stream);
 
 // Receive area -> expert_x [M, x_bytes] (rows after the received ones zeroed), expert_x_scale [M, scale_bytes] (or
 // null), counts [L], route [M + 1] (route[i] = source rank * max_tokens * R + t * R + k of row i; route[M] = rows
@@ -21,7 +21,7 @@ cudaError_t LaunchDispatchRecv(const KernelArgs& a, const void* x, const void* x
 
 // expert_y [M, hidden] (bf16) -> the token owners' combine areas of `channel`, at the (t, k) entry each row came from.
 cudaError_t LaunchCombineSend(const KernelArgs& a, int channel, const void* expert_y, const int32_t* route,
-                              int32_t* handle, cudaStream_t stream);
+                              int32_t* ticket, cudaStream_t stream);
 
 // out[t] = sum over sent k of w[t, k] * y(t, k), float32 accumulation, bf16 out [T, hidden]. expert_y is this rank's
 // combine_send input: the entries this rank served itself are read from it (they were not copied).

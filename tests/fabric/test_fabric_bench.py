@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from fabric_mp import needs
+from support.fabric_mp import needs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

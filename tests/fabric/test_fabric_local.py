@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from fabric_mp import AVAILABLE
+from support.fabric_mp import AVAILABLE
 
 fabric = pytest.importorskip("jax_moe.fabric")
 from jax_moe import _core  # noqa: E402

@@ -1,7 +1,7 @@
 """TransferEngine across 3-4 processes on localhost over the tcp and shm libfabric providers."""
 import pytest
 
-from fabric_mp import needs, run_world
+from support.fabric_mp import needs, run_world
 
 PROVIDERS = [pytest.param(p, marks=needs(p)) for p in ("tcp", "shm")]
 

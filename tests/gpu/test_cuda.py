@@ -22,9 +22,8 @@ _why = CudaBackend.unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_why is not None, reason=f"backend 'cuda': {_why}")]
 
 if _why is None:
-    from helpers import bits, expert_fn, mesh_of, random_routing, random_tokens, run
-    from multiprocess import free_port, launch
-    from test_reference import check_roundtrip, roundtrip
+    from support.helpers import bits, check_roundtrip, expert_fn, mesh_of, random_routing, random_tokens, roundtrip, run
+    from support.multiprocess import free_port, launch
 
 
 def gpu_mesh(n: int):
@@ -61,7 +60,7 @@ def test_out_of_range_ids_are_masked_then_reported(rng):
                 assert "expert id 8 " in str(err) or f"expert id {1 << 30} " in str(err), str(err)
                 reported += 1
         assert reported == 1
-        assert comm.backend.take_errors() == []  # nothing left over for a later call
+        assert comm.errors() == []  # nothing left over for a later call
         if got is not None:  # the first call that completed (the bad one, if it did): rows equal the masked ones
             check_roundtrip(comm, 1, x, clean, w, None, got)
     want = roundtrip(comm, x, clean, w)
@@ -71,7 +70,7 @@ def test_out_of_range_ids_are_masked_then_reported(rng):
 def test_command_buffer_mode_is_exact_and_reports_errors(rng, monkeypatch):
     """JAX_MOE_CUDA_COMMAND_BUFFERS=1 picks the handlers marked command-buffer compatible (XLA may then replay them
     from CUDA graphs without calling the handler). Repeated calls stay bit-exact (epochs live on the device), and a
-    bad id is reported: by take_errors() when the handler was not called again, else by the call itself."""
+    bad id is reported: by comm.errors() when the handler was not called again, else by the call itself."""
     monkeypatch.setenv("JAX_MOE_CUDA_COMMAND_BUFFERS", "1")
     n = min(2, len(jax.devices("gpu")))
     e, r, hidden, t = 4 * n, 3, 128, 6
@@ -87,7 +86,7 @@ def test_command_buffer_mode_is_exact_and_reports_errors(rng, monkeypatch):
         idx = random_routing(rng, n, t, r, e, mask=0.2)
         w = rng.random((n * t, r)).astype(np.float32)
         check_roundtrip(comm, n, x, idx, w, None, roundtrip(comm, x, idx, w))
-    assert comm.backend.take_errors() == []
+    assert comm.errors() == []
     # The error path on one rank: with several, a rank whose call raised would leave the others waiting.
     one = comm_of(jax_moe.MoEConfig(e, r, hidden, t), 1)
     x, _ = random_tokens(rng, t, hidden, False)
@@ -99,7 +98,7 @@ def test_command_buffer_mode_is_exact_and_reports_errors(rng, monkeypatch):
         jax.block_until_ready(roundtrip(one, x, bad, w))
     except Exception as err:  # noqa: BLE001 - JaxRuntimeError from a handler that did run
         messages.append(str(err))
-    messages += one.backend.take_errors()
+    messages += one.errors()
     assert any(f"expert id {e + 5}" in m for m in messages), messages
 
 
@@ -160,7 +159,7 @@ def test_a_silent_peer_times_out_and_the_communicator_stays_failed(rng):
     # Teardown, as dropping the Communicator does it (its finalizer then finds nothing left): rank 1 never
     # acknowledges rank 0's send, so the wait for it ends at the 0.5 s bound instead of hanging or being skipped.
     t0 = time.monotonic()
-    b._mod.destroy_comm(b._group)
+    b.module().destroy_comm(b.native_id)
     assert time.monotonic() - t0 < 5
     del f, b, comm
     gc.collect()  # the finalizer's destroy_comm then finds the Communicator gone and frees nothing twice
@@ -168,7 +167,7 @@ def test_a_silent_peer_times_out_and_the_communicator_stays_failed(rng):
 
 def test_buffer_bytes_of_a_communicator():
     comm = comm_of(jax_moe.MoEConfig(8, 2, 128, 4), 1)
-    assert comm.backend.bytes_per_device == buffer_bytes(comm.cfg, 1)
+    assert comm.bytes_allocated == buffer_bytes(comm.cfg, 1)  # one GPU in this process
 
 
 def test_hidden_must_be_16_byte_rows():

@@ -57,9 +57,9 @@ ffi::Error Device(int64_t comm_id, int32_t ordinal, std::shared_ptr<const Device
   return ffi::Error::Success();
 }
 
-// The send halves write 4 int32 into their handle result (the epoch; it orders the recv half after the send).
-ffi::Error CheckHandle(size_t elements) {
-  if (elements != 4) return ffi::Error::InvalidArgument("jax_moe cuda: the handle result must be int32[4]");
+// The send halves write 4 int32 into their ticket result (the epoch; it orders the recv half after the send).
+ffi::Error CheckTicket(size_t elements) {
+  if (elements != 4) return ffi::Error::InvalidArgument("jax_moe cuda: the ticket result must be int32[4]");
   return ffi::Error::Success();
 }
 
@@ -82,7 +82,7 @@ ffi::Error CheckRows(const char* what, ffi::Span<const int64_t> dims, int64_t ro
 template <bool kGraph>
 ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, bool has_scale, ffi::AnyBuffer x,
                             ffi::AnyBuffer x_scale, ffi::Buffer<ffi::S32> topk_idx,
-                            ffi::Result<ffi::Buffer<ffi::S32>> handle) {
+                            ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
   std::shared_ptr<const DeviceComm> dev;
   if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
   const KernelArgs& a = dev->args;
@@ -100,13 +100,13 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_i
   const auto idims = topk_idx.dimensions();
   if (idims.size() != 2 || idims[0] != tokens || idims[1] != a.s.experts_per_token)
     return ffi::Error::InvalidArgument("jax_moe cuda: topk_idx must be [T, experts_per_token]");
-  if (auto e = CheckHandle(handle->element_count()); e.failure()) return e;
+  if (auto e = CheckTicket(ticket->element_count()); e.failure()) return e;
   if constexpr (!kGraph) {
     if (auto e = CheckStreamFree(*dev, 0, "dispatch_send"); e.failure()) return e;
   }
   ffi::Error launched = Launched(LaunchDispatchSend(a, static_cast<int>(tokens), x.untyped_data(),
                                                     has_scale ? x_scale.untyped_data() : nullptr,
-                                                    topk_idx.typed_data(), handle->typed_data(), stream),
+                                                    topk_idx.typed_data(), ticket->typed_data(), stream),
                                  "dispatch_send");
   if (!kGraph && launched.success()) dev->open_rounds[0].fetch_add(1, std::memory_order_relaxed);
   return launched;
@@ -114,7 +114,7 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_i
 
 template <bool kGraph>
 ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, bool has_scale,
-                            ffi::Buffer<ffi::S32> handle, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
+                            ffi::Buffer<ffi::S32> ticket, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
                             ffi::Result<ffi::AnyBuffer> expert_x,
                             ffi::Result<ffi::AnyBuffer> expert_x_scale, ffi::Result<ffi::Buffer<ffi::S32>> counts,
                             ffi::Result<ffi::Buffer<ffi::S32>> route) {
@@ -158,7 +158,7 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_i
 
 template <bool kGraph>
 ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, int64_t channel, ffi::AnyBuffer expert_y,
-                           ffi::Buffer<ffi::S32> route, ffi::Result<ffi::Buffer<ffi::S32>> handle) {
+                           ffi::Buffer<ffi::S32> route, ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
   std::shared_ptr<const DeviceComm> dev;
   if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
   const KernelArgs& a = dev->args;
@@ -169,12 +169,12 @@ ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id
     return e;
   if (route.element_count() != size_t(rows + 1)) return ffi::Error::InvalidArgument("jax_moe cuda: bad route");
   if (channel < 0 || channel >= kCombineChannels) return ffi::Error::InvalidArgument("jax_moe cuda: bad channel");
-  if (auto e = CheckHandle(handle->element_count()); e.failure()) return e;
+  if (auto e = CheckTicket(ticket->element_count()); e.failure()) return e;
   if constexpr (!kGraph) {
     if (auto e = CheckStreamFree(*dev, 1 + static_cast<int>(channel), "combine_send"); e.failure()) return e;
   }
   ffi::Error launched = Launched(LaunchCombineSend(a, static_cast<int>(channel), expert_y.untyped_data(),
-                                                   route.typed_data(), handle->typed_data(), stream),
+                                                   route.typed_data(), ticket->typed_data(), stream),
                                  "combine_send");
   if (!kGraph && launched.success()) dev->open_rounds[1 + channel].fetch_add(1, std::memory_order_relaxed);
   return launched;
@@ -182,7 +182,7 @@ ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id
 
 template <bool kGraph>
 ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, int64_t channel,
-                           ffi::Buffer<ffi::S32> handle,
+                           ffi::Buffer<ffi::S32> ticket,
                            ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> topk_idx,
                            ffi::AnyBuffer expert_y, ffi::Result<ffi::AnyBuffer> out) {
   std::shared_ptr<const DeviceComm> dev;

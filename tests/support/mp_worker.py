@@ -1,4 +1,5 @@
-"""One process of a multi-process run: `python mp_worker.py PROC NPROC PORT DEVICES_PER_PROC BACKEND SEED`.
+"""One process of a multi-process run: `python mp_worker.py PROC NPROC PORT DEVICES_PER_PROC BACKEND SEED`
+(started by support.multiprocess.launch).
 
 Every process builds the same global inputs from SEED, runs dispatch -> experts -> combine (twice: epochs across
 processes) and its gradient over all processes' devices, gathers the results and checks them against the NumPy
@@ -22,17 +23,16 @@ if backend == "cuda":
 else:
     jax.config.update("jax_num_cpu_devices", int(per_proc))
     jax.distributed.initialize(f"127.0.0.1:{port}", int(nproc), int(proc), initialization_timeout=60)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for `support`
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 import jax_moe  # noqa: E402
-from helpers import random_routing, random_tokens  # noqa: E402
-from program_shapes import run_all  # noqa: E402
-from test_grad import check_grads, grad_problem, moe_loss_fn  # noqa: E402
-from test_reference import check_roundtrip, roundtrip  # noqa: E402
+from support.grads import check_grads, grad_problem, moe_loss_fn  # noqa: E402
+from support.helpers import check_roundtrip, random_routing, random_tokens, roundtrip  # noqa: E402
+from support.program_shapes import run_all  # noqa: E402
 
 
 def gather(a):

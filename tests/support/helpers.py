@@ -6,19 +6,22 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe
-import oracle
+from jax_moe.backends.cuda import CudaBackend
+from support import oracle
+
+CPU_BACKENDS = ["xla", "cpu"]
+BACKENDS = CPU_BACKENDS + [pytest.param("cuda", marks=pytest.mark.gpu)]  # every backend runs the same checks
 
 
 def mesh_of(n: int, axis: str = "ep", platform: str = "cpu") -> jax.sharding.Mesh:
     """A 1-D mesh of n devices of `platform` (CPU by default, also on machines with GPUs)."""
     devices = jax.devices(platform)
     if len(devices) < n:
-        import pytest
-
         pytest.skip(f"needs {n} {platform} devices, this machine has {len(devices)}")
     return jax.make_mesh((n,), (axis,), devices=devices[:n])
 
@@ -26,12 +29,8 @@ def mesh_of(n: int, axis: str = "ep", platform: str = "cpu") -> jax.sharding.Mes
 def backend_mesh(backend: str, n: int, axis: str = "ep") -> jax.sharding.Mesh:
     """The mesh a backend runs on: GPUs for "cuda" (skipped where it is unavailable), CPU devices otherwise."""
     if backend == "cuda":
-        from jax_moe.backends.cuda import CudaBackend
-
         why = CudaBackend.unavailable_reason()
         if why is not None:
-            import pytest
-
             pytest.skip(f"backend 'cuda': {why}")
         return mesh_of(n, axis, platform="gpu")
     return mesh_of(n, axis)
@@ -112,3 +111,38 @@ def oracle_expert(rows: np.ndarray, counts: np.ndarray, rank: int, l: int, scale
     e = np.repeat(np.arange(l) + rank * l, counts).astype(np.float32)[:, None]
     x = rows.astype(np.float32)
     return (x * (1 + e / 8) - e / 16).astype(jnp.bfloat16)
+
+
+def ranks_for(backend: str, n: int) -> int:
+    """n ranks, or 2 for "cuda" (the largest GPU machine lent here)."""
+    return 2 if backend == "cuda" else n
+
+
+def roundtrip(comm, x, idx, w, scale=None, split_halves=False):
+    """dispatch -> per-expert transform -> combine, per rank; returns global arrays."""
+
+    def body(x, idx, w, scale):
+        if split_halves:
+            d = comm.dispatch_recv(comm.dispatch_send(x, idx, x_scale=scale))
+        else:
+            d = comm.dispatch(x, idx, x_scale=scale)
+        y = expert_fn(d.expert_x, d.expert_counts, comm)
+        out = comm.combine_recv(comm.combine_send(y, d), w) if split_halves else comm.combine(y, w, d)
+        return d.expert_x, d.expert_x_scale, d.expert_counts, out
+
+    return run(comm, body, x, idx, w, scale, out_specs=P(comm.axis_name))
+
+
+def check_roundtrip(comm, n, x, idx, w, scale, outs):
+    """The results of roundtrip (gathered) against the oracle: dispatch bit for bit, combine within bf16 rounding."""
+    expert_x, expert_scale, counts, out = outs
+    row_of = check_dispatch(comm, n, x, idx, scale, expert_x, expert_scale, counts)
+    l = comm.num_local_experts
+    ex, cnt = split(expert_x, n), split(counts, n)
+    ys = [oracle_expert(ex[q][: cnt[q].sum()], cnt[q], q, l) for q in range(n)]
+    ref = oracle.combine(ys, split(w, n), split(idx, n), row_of, comm.cfg.num_experts)
+    got = split(np.asarray(out).astype(np.float32), n)
+    assert np.asarray(out).dtype == jnp.bfloat16
+    for s in range(n):
+        np.testing.assert_allclose(got[s], ref[s], rtol=1e-2, atol=1e-2 * np.abs(ref[s]).max(),
+                                   err_msg=f"combine on rank {s}")

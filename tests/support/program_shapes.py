@@ -1,6 +1,6 @@
 """Programs that run many rounds of one Communicator, and their checks against the NumPy oracle.
 
-Shared by tests/test_program_shapes.py (one process) and tests/mp_worker.py (several processes, "cpu" and "cuda").
+Shared by tests/test_program_shapes.py (one process) and tests/support/mp_worker.py (several processes, "cpu" and "cuda").
 Each round has its own random tokens and routing, so a round delivered into the wrong program slot shows up.
 """
 from __future__ import annotations
@@ -14,9 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe
-from helpers import expert_fn, random_routing, random_tokens
-from test_grad import dense_loss, local_expert_of_rows
-from test_reference import check_roundtrip
+from support.grads import dense_loss, local_expert_of_rows
+from support.helpers import check_roundtrip, expert_fn, random_routing, random_tokens
 
 
 def rounds_problem(rng, rounds: int, n: int, t: int, r: int, e: int, hidden: int, fp8: bool):

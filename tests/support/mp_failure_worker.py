@@ -1,4 +1,4 @@
-"""Failure scenarios across processes: `python mp_failure_worker.py MODE PROC NPROC PORT`.
+"""Failure scenarios across processes: `python mp_failure_worker.py MODE PROC NPROC PORT [TIMEOUT_S]`.
 
 kill:     process 1 is SIGKILLed right after set-up; the others must report an error naming it within the timeout.
 exit:     process 1 exits (os._exit) right after set-up; likewise.

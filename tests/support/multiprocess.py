@@ -17,8 +17,8 @@ def free_port() -> int:
 
 def launch(script: str, argv_per_proc: Sequence[Sequence[str]], timeout_s: float = 240,
            env: dict | None = None, may_fail: Sequence[int] = ()) -> list[str]:
-    """Runs one process per argv; returns their outputs; fails (and kills all) on error or timeout. Processes in
-    `may_fail` may end with any exit status (a test's victim)."""
+    """Runs `script` (a worker in tests/support/) once per argv; returns their outputs; fails (and kills all) on error
+    or timeout. Processes in `may_fail` may end with any exit status (a test's victim)."""
     here = os.path.dirname(os.path.abspath(__file__))
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     full_env.pop("XLA_FLAGS", None)

@@ -1,0 +1,169 @@
+"""Backend "cuda" without a GPU: its set-up against a stand-in for jax_moe._core.cuda (what it allocates, connects,
+reports and frees) and the programs its halves trace to (FFI targets, attributes, shapes, gradients). The GPU suite
+(tests/gpu/) runs the kernels; this keeps the Python side checked on every machine."""
+from __future__ import annotations
+
+import gc
+import json
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_moe
+from jax_moe.backends import bootstrap
+from jax_moe.backends.cuda import CudaBackend
+from support.helpers import mesh_of
+
+
+class FakeCuda:
+    """Records what the backend asks of _core.cuda."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append((name, *args))
+            if name == "take_error":
+                return "rank 1 timed out" if args[1] == 1 else ""  # (comm_id, ordinal)
+            return {"export_buffer": b"\x01\x02", "buffer_bytes": 1000, "trace_shape": (2, 3),
+                    "read_trace": np.zeros(6, np.uint64)}.get(name)
+
+        return call
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    mod = FakeCuda()
+    monkeypatch.setattr(CudaBackend, "module", classmethod(lambda cls: mod))
+    monkeypatch.setattr(CudaBackend, "register_targets", classmethod(lambda cls: None))
+    return mod
+
+
+def cuda_comm(n: int, cfg=None) -> jax_moe.Communicator:
+    """A Communicator over n CPU devices whose backend is "cuda" (built as on GPUs; its calls only trace here)."""
+    comm = jax_moe.Communicator(cfg or jax_moe.MoEConfig(4 * n, 2, 128, 4), mesh_of(n), "ep", backend="xla")
+    comm.platform = "gpu"
+    comm.backend = CudaBackend(comm)
+    return comm
+
+
+def test_set_up_report_and_teardown(fake):
+    comm = cuda_comm(2)
+    gid = comm.id
+    assert [c[0] for c in fake.calls] == ["create_comm", "connect", "connect"]
+    create = fake.calls[0]
+    assert create[1:10] == (gid, 2, 4, 2, 4, 128, 2, 0, 2) and create[10] == [(0, 0), (1, 1)]
+    assert create[11] == comm.timeout_s
+    assert [c[2] for c in fake.calls[1:]] == [0, 1]  # one connect per local GPU, peers in rank order
+    assert [s[:4] for s in fake.calls[1][3]] == [(0, 0, -1, b""), (1, 1, 1, b"")]
+    assert comm.bytes_allocated == 2000 and comm.errors() == ["rank 1 timed out"]
+    assert set(comm.backend.read_trace()) == {0, 1}
+    fake.calls.clear()
+    del comm
+    gc.collect()
+    assert fake.calls == [("destroy_comm", gid)]
+
+
+def test_a_failed_set_up_frees_what_it_allocated(fake, monkeypatch):
+    monkeypatch.setattr(CudaBackend, "_connect", lambda self, peers: (_ for _ in ()).throw(RuntimeError("peer")))
+    with pytest.raises(RuntimeError, match="peer"):
+        cuda_comm(2)
+    gc.collect()
+    assert [c[0] for c in fake.calls] == ["create_comm", "destroy_comm"]
+
+
+def test_config_checks_come_before_any_allocation(fake):
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cuda_comm(1, jax_moe.MoEConfig(4, 2, 36, 4))
+    assert fake.calls == []
+
+
+def specs(comm, *shapes) -> list[jax.ShapeDtypeStruct]:
+    """Abstract per-rank-sharded arguments of the given (shape, dtype)."""
+    sharding = NamedSharding(comm.mesh, P("ep"))
+    return [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in shapes]
+
+
+def ffi_calls(jaxpr) -> list[dict]:
+    """The jax_moe FFI calls of a jaxpr and the jaxprs nested in it, in order: target, attributes, result shapes."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "jax_moe_call":
+            out.append(dict(eqn.params["attrs"], target=eqn.params["target"],
+                            shapes=[tuple(a.shape) for a in eqn.params["result_avals"]]))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                if hasattr(sub, "eqns"):
+                    out += ffi_calls(sub)
+    return out
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_halves_trace_to_the_cuda_handlers(fake, monkeypatch, fp8):
+    monkeypatch.setenv("JAX_MOE_CUDA_COMMAND_BUFFERS", "1" if fp8 else "0")
+    n, t = 2, 4
+    cfg = jax_moe.MoEConfig(8, 2, 128, t, dispatch_dtype=jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
+    comm = cuda_comm(n, cfg)
+    m, suffix = comm.max_recv_rows, "_graph" if fp8 else ""
+
+    def body(x, s, idx, w):
+        d = comm.dispatch(x, idx, x_scale=s if fp8 else None)
+        return comm.combine(d.expert_x.astype(jnp.bfloat16), w, d)
+
+    f = jax.shard_map(body, mesh=comm.mesh, in_specs=(P("ep"),) * 4, out_specs=P("ep"))
+    args = specs(comm, ((n * t, 128), cfg.dispatch_dtype), ((n * t, 1), jnp.float32), ((n * t, 2), jnp.int32),
+                 ((n * t, 2), jnp.float32))
+    calls = ffi_calls(jax.make_jaxpr(f)(*args).jaxpr)
+    assert [c["target"] for c in calls] == [f"jax_moe_cuda_{h}{suffix}" for h in
+                                            ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")]
+    assert all(c["comm_id"] == comm.id for c in calls)
+    assert calls[0]["has_scale"] == fp8 and calls[1]["has_scale"] == fp8
+    assert calls[1]["shapes"] == [(m, 128), (m, 1) if fp8 else (1, 1), (comm.num_local_experts,), (m + 1,)]
+    assert calls[2]["channel"] == 0 and calls[3]["channel"] == 0 and calls[3]["shapes"] == [(t, 128)]
+
+
+def test_gradients_trace_dispatch_backward_on_channel_1(fake):
+    comm = cuda_comm(2)
+
+    def loss(x, idx, w):
+        d = comm.dispatch(x, idx)
+        return jax.lax.psum(jnp.sum(comm.combine(d.expert_x, w, d).astype(jnp.float32)), "ep")
+
+    f = jax.grad(jax.shard_map(loss, mesh=comm.mesh, in_specs=(P("ep"),) * 3, out_specs=P()), argnums=(0, 2))
+    args = specs(comm, ((8, 128), jnp.bfloat16), ((8, 2), jnp.int32), ((8, 2), jnp.float32))
+    calls = ffi_calls(jax.make_jaxpr(f)(*args).jaxpr)
+    channels = [(c["target"].removeprefix("jax_moe_cuda_"), c.get("channel")) for c in calls]
+    assert ("combine_send", 1) in channels and ("combine_recv", 1) in channels
+    assert channels.count(("combine_send", 0)) == 1  # the forward's; combine's backward runs the reference maps
+
+
+def test_cuda_peers_from_the_exchange(monkeypatch):
+    """What backend "cuda" hands _core.cuda.connect: itself, local GPUs by ordinal, other processes' GPUs by the
+    IPC handle they published; a peer on another host is refused."""
+    connected = []
+    backend = object.__new__(CudaBackend)
+    backend.native_id = 7
+    backend._mod = SimpleNamespace(connect=lambda *a: connected.append(a))
+    backend.table = bootstrap.RankTable((bootstrap.RankEntry(10, 0, 0, 0, 0), bootstrap.RankEntry(11, 0, 1, 0, 1),
+                                         bootstrap.RankEntry(12, 1, 0, 0, 2)))
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    monkeypatch.setattr("socket.gethostname", lambda: "here")
+    backend._connect(bootstrap.Peers(["here", "here"], {1: {"12": b"ipc".hex()}}))
+    assert [(gid, ordinal, [spec[:4] for spec in specs]) for gid, ordinal, specs in connected] == [
+        (7, 0, [(0, 0, -1, b""), (1, 1, 1, b""), (2, 2, -1, b"ipc")]),
+        (7, 1, [(0, 1, 0, b""), (1, 0, -1, b""), (2, 2, -1, b"ipc")])]
+    assert connected[0][2][2][4] == "process 1 on host here, GPU 0"
+    with pytest.raises(NotImplementedError, match="rank 2 is on host 'there'"):
+        backend._connect(bootstrap.Peers(["here", "there"], {1: {"12": b"ipc".hex()}}))
+
+
+def test_the_record_a_process_publishes(fake):
+    comm = cuda_comm(2)
+    assert json.loads(json.dumps(comm.backend._record())) == {"0": "0102", "1": "0102"}
