@@ -1,9 +1,16 @@
-// Internals of TransferEngine: peer table, handshake, progress thread. Not a public header.
+// Internals of TransferEngine: the engine's shared state and methods. Not a public header.
+// The methods live in one file per concern:
+//   engine_core.cc       lifecycle: open, close, running a call on the progress thread; peers and stats
+//   engine_register.cc   memory registration
+//   engine_handshake.cc  peer table, handshake, descriptor checks with their owners, peer failure
+//   engine_post.cc       peer groups, Scatter/Write validation, posting the backlog
+//   engine_progress.cc   progress thread: submissions, completions, and the waits on them
 #pragma once
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -15,6 +22,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/format.h"
 #include "fabric/backend.h"
 #include "fabric/imm_counter.h"
 #include "fabric/peer_group.h"
@@ -23,8 +31,15 @@
 
 namespace jax_moe::fabric {
 
-// Completion state of a call run on the progress thread (engine_core.cc).
-struct CallState;
+// Completion state of a call run on the progress thread (RunOnProgress).
+struct CallState {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+};
+
+inline std::string FormatSeconds(double s) { return Format("%.3g s", s); }
 
 // Per-operation context handed to the provider; recycled through a free list on the progress thread.
 struct OpContext {
@@ -113,29 +128,36 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
     bool bootstrap;  // hello/ack
   };
 
+  // engine_core.cc
   // Runs `fn` on the progress thread and waits for it (registration, AV inserts). Rethrows its error.
   void RunOnProgress(std::function<void()> fn);
-  void Submit(std::vector<PendingWrite>&& writes);
-  void ProgressLoop();
-  bool DrainSubmissions();
-  bool PostPending();
-  bool PollAll();
-  void ResendHellos();
-  void OnCompletion(int nic, const Completion& c);
-  void OnMessage(int nic, const std::string& bytes);
+
+  // engine_handshake.cc
+  PeerState& FindOrAddPeerLocked(const EngineAddress& addr, const std::string& raw);  // progress thread
   void SendHandshake(PeerState& peer, Handshake::Type type);
   void SendControl(uint32_t peer, Handshake::Type type, uint32_t id, const std::string& blob);  // progress thread
+  void ResendHellos();
+  void OnMessage(int nic, const std::string& bytes);
   // Asks each descriptor's owner to confirm it names a live region (cached per peer). Throws
   // kInvalidArgument naming the descriptor the owner rejected, kTimeout naming owners that did not answer.
   void VerifyDescriptors(const std::vector<uint32_t>& peers, const std::vector<RegionDescriptor>& regions);
   std::string CheckOwnDescriptor(const std::string& bytes) const;  // "" when valid; takes mu_
-  PeerState& FindOrAddPeerLocked(const EngineAddress& addr, const std::string& raw);  // progress thread
   void FailPeer(uint32_t peer, const std::string& why);
+  std::string PeerLabel(uint32_t peer) const;  // takes mu_
+  std::string PeerListLocked(const std::vector<uint32_t>& peers) const;
+
+  // engine_post.cc
+  void Submit(std::vector<PendingWrite>&& writes);
+  bool PostPending();  // progress thread
+
+  // engine_progress.cc (progress thread)
+  void ProgressLoop();
+  bool DrainSubmissions();
+  bool PollAll();
+  void OnCompletion(int nic, const Completion& c);
   OpContext* NewOp(OpContext::Kind kind, uint32_t peer, int nic);
   void FreeOp(OpContext* op);
   void PostRecvBuffer(int nic, OpContext* op);
-  std::string PeerLabel(uint32_t peer) const;  // takes mu_
-  std::string PeerListLocked(const std::vector<uint32_t>& peers) const;
   void WriteDone(OpContext* op, bool ok);
 
   EngineOptions options_;
