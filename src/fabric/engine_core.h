@@ -55,14 +55,14 @@ struct PeerState {
   uint64_t nonce = 0;
   std::string address;  // serialized EngineAddress
   std::string label;
-  std::vector<uint64_t> dest;  // handle per local NIC
-  int nic = 0;                 // local NIC used for this peer's writes
-  int remote_nic = 0;          // the peer's NIC those writes land on
+  std::vector<uint64_t> dest;   // handle per local NIC
+  int nic = 0;                  // local NIC used for this peer's writes
+  int remote_nic = 0;           // the peer's NIC those writes land on
   int remote_num_nics = 1;
-  uint32_t remote_slot = 0;    // what the peer calls us (stamped into immediates)
-  bool ready = false;          // handshake done
+  uint32_t remote_peer_id = 0;  // what the peer calls us (stamped into immediates)
+  bool ready = false;           // handshake done
   std::atomic<bool> failed{false};
-  std::string failure;         // guarded by EngineCore::mu_
+  std::string failure;          // guarded by EngineCore::mu_
   std::atomic<int64_t> in_flight{0};
 };
 

@@ -40,7 +40,7 @@ void EngineCore::SendHandshake(PeerState& peer, Handshake::Type type) {
   Handshake h;
   h.type = type;
   h.sender_nonce = nonce_;
-  h.your_slot = peer.id;
+  h.your_peer_id = peer.id;
   h.sender_address = address_;
   h.blob = backend_->LocalConnectBlob(peer.id);
   OpContext* op = NewOp(OpContext::kSend, peer.id, 0);
@@ -52,7 +52,7 @@ void EngineCore::SendControl(uint32_t peer, Handshake::Type type, uint32_t id, c
   Handshake h;
   h.type = type;
   h.sender_nonce = nonce_;
-  h.your_slot = id;
+  h.your_peer_id = id;
   h.sender_address = address_;
   h.blob = blob;
   uint64_t dest;
@@ -131,7 +131,7 @@ void EngineCore::OnMessage(int nic, const std::string& bytes) {
         Require(it != peer_by_nonce_.end(), "descriptor check from an unknown engine");
         peer = it->second;
         if (h.type == Handshake::kVerifyReply) {
-          auto r = verify_requests_.find(h.your_slot);
+          auto r = verify_requests_.find(h.your_peer_id);
           if (r != verify_requests_.end() && r->second.peer == peer) {
             r->second.done = true;
             r->second.rejection = h.blob;
@@ -139,7 +139,7 @@ void EngineCore::OnMessage(int nic, const std::string& bytes) {
         }
       }
       if (h.type == Handshake::kVerify) {
-        SendControl(peer, Handshake::kVerifyReply, h.your_slot, CheckOwnDescriptor(h.blob));
+        SendControl(peer, Handshake::kVerifyReply, h.your_peer_id, CheckOwnDescriptor(h.blob));
       } else {
         peers_cv_.notify_all();
       }
@@ -157,8 +157,8 @@ void EngineCore::OnMessage(int nic, const std::string& bytes) {
     std::lock_guard<std::mutex> lock(mu_);
     try {
       peer = &FindOrAddPeerLocked(addr, h.sender_address);
-      if (h.your_slot >= kMaxPeers) Throw(ErrorCode::kInvalidArgument, "handshake: bad slot");
-      peer->remote_slot = h.your_slot;
+      if (h.your_peer_id >= kMaxPeers) Throw(ErrorCode::kInvalidArgument, "handshake: bad peer id");
+      peer->remote_peer_id = h.your_peer_id;
       backend_->LocalConnectBlob(peer->id);  // create transport state before accepting the peer's
       backend_->AcceptConnectBlob(peer->id, h.blob);
       peer->ready = true;

@@ -91,7 +91,7 @@ uint32_t EngineCore::CreateGroup(const std::vector<uint32_t>& peers, const std::
     t.req.dest = p.dest[t.nic];
     t.req.rkey = d.keys[remote_nic];
     t.req.remote_addr = caps_.remote_virt_addr ? d.base : 0;
-    t.imm_slot = p.remote_slot;
+    t.imm_peer_id = p.remote_peer_id;
     t.remote_size = d.size;
     group->templates.push_back(t);
   }
@@ -191,7 +191,7 @@ void EngineCore::Write(uint32_t peer, const MemoryRegion& src, uint64_t src_offs
     t.req.dest = p.dest[p.nic];
     t.req.rkey = dst.keys[p.remote_nic];
     t.req.remote_addr = caps_.remote_virt_addr ? dst.base : 0;
-    t.imm_slot = p.remote_slot;
+    t.imm_peer_id = p.remote_peer_id;
     PatchWrite(t, src.data(), it->second.region->descs[p.nic], src_offset, length, dst_offset, imm, nullptr,
                &writes[0].req);
     writes[0].nic = p.nic;

@@ -78,7 +78,7 @@ class World:
         lengths = np.array([p[0] for p in plans], np.int64)
         src = np.array([p[1] for p in plans], np.int64)
         dst = np.array([(par * self.n + self.rank) * SLOT + p[2] for p in plans], np.int64)
-        imm = 0xC0DE0000 + rnd % 4  # full 32-bit values: the sender slot travels beside them
+        imm = 0xC0DE0000 + rnd % 4  # full 32-bit values: the sender peer id travels beside them
         self.eng.scatter(self.group, self.mr_send, src, lengths, dst, imm)
         self.eng.wait_imm(imm, self.n - 1, WAIT)
         if check:

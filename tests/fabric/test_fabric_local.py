@@ -155,7 +155,7 @@ def test_write_scatter_barrier_and_errors(pair):
         a.scatter(g, ma, [0], [1], [0], a.max_imm + 1)
     with pytest.raises(ValueError, match="imm"):
         a.barrier(g, -1)
-    # Full 32-bit immediates (tcp carries 8 bytes of CQ data: the sender slot rides in the upper half).
+    # Full 32-bit immediates (tcp carries 8 bytes of CQ data: the sender peer id rides in the upper half).
     assert a.max_imm == 0xFFFFFFFF
     a.barrier(g, 0xFFFFFFFF)
     a.write(p, ma, 0, 1, mb.descriptor(), 0, imm=0x80000001)
