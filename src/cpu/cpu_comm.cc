@@ -199,8 +199,8 @@ void CpuComm::Connect(const std::vector<Endpoint>& remote) {
     }
     std::lock_guard<std::mutex> lock(mu_);
     rank->remote_peers = peers;
-    rank->dispatch.group = rank->engine->CreatePeerGroup(peers, dispatch_regions);
-    rank->combine.group = rank->engine->CreatePeerGroup(peers, combine_regions);
+    rank->dispatch.group = rank->engine->CreatePeerSet(peers, dispatch_regions);
+    rank->combine.group = rank->engine->CreatePeerSet(peers, combine_regions);
     rank->dispatch.remote_regions = std::move(dispatch_regions);
     rank->combine.remote_regions = std::move(combine_regions);
   }

@@ -37,8 +37,8 @@ struct CpuComm::Direction {
   int64_t lanes = 0;  // K: round k uses lane k % K
   HostBuffer recv;    // [K lanes][N senders] regions
   std::shared_ptr<fabric::MemoryRegion> recv_mr;
-  fabric::GroupId group = 0;
-  std::vector<fabric::RegionDescriptor> remote_regions;  // receive buffers of the remote ranks, group order
+  fabric::PeerSetId group = 0;
+  std::vector<fabric::RegionDescriptor> remote_regions;  // receive buffers of the remote ranks, peer-set order
   std::unique_ptr<std::atomic<uint64_t>[]> arrived;   // [K][N]: last round a same-process sender delivered
   std::unique_ptr<std::atomic<uint64_t>[]> released;  // [K]: rounds of each lane this rank finished reading
   uint64_t send_round = 0;                            // touched by the rank's own XLA thread only
@@ -60,7 +60,7 @@ struct CpuComm::Direction {
 struct CpuComm::Rank {
   RankInfo info{};
   std::vector<Rank*> local_peer;       // [N]: the same-process rank, or nullptr for a remote one
-  std::vector<int32_t> remote_ranks;   // ranks of other processes, in peer-group order
+  std::vector<int32_t> remote_ranks;   // ranks of other processes, in peer-set order
   std::vector<int64_t> remote_index;   // [N]: position in remote_ranks, or -1
   std::vector<fabric::PeerId> remote_peers;
   std::shared_ptr<fabric::TransferEngine> engine;

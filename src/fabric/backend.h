@@ -23,7 +23,7 @@ struct BackendRegion {
   std::vector<void*> descs;     // local descriptors (fi_mr_desc / lkey), one per NIC
 };
 
-// A write ready to post. Built from a group template and patched per call (see peer_group.h).
+// A write ready to post. Built from a peer set's template and patched per call (see peer_set.h).
 struct WriteRequest {
   void* context = nullptr;  // OpContextStorage* returned in the completion
   uint64_t dest = 0;        // peer handle from AddPeer on this NIC

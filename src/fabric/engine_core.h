@@ -3,7 +3,7 @@
 //   engine_core.cc       lifecycle: open, close, running a call on the progress thread; peers and stats
 //   engine_register.cc   memory registration
 //   engine_handshake.cc  peer table, handshake, descriptor checks with their owners, peer failure
-//   engine_post.cc       peer groups, Scatter/Write validation, posting the backlog
+//   engine_post.cc       peer sets, Scatter/Write validation, posting the backlog
 //   engine_progress.cc   progress thread: submissions, completions, and the waits on them
 #pragma once
 #include <atomic>
@@ -25,7 +25,7 @@
 #include "common/format.h"
 #include "fabric/backend.h"
 #include "fabric/imm_counter.h"
-#include "fabric/peer_group.h"
+#include "fabric/peer_set.h"
 #include "fabric/transfer_engine.h"
 #include "fabric/wire.h"
 
@@ -83,10 +83,10 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   std::shared_ptr<MemoryRegion> Register(void* ptr, uint64_t nbytes, int device);
   void Deregister(uint64_t id);
   uint32_t Connect(const std::string& address, double timeout_s);
-  uint32_t CreateGroup(const std::vector<uint32_t>& peers, const std::vector<RegionDescriptor>& regions);
-  size_t GroupSize(uint32_t group) const;
+  uint32_t CreatePeerSet(const std::vector<uint32_t>& peers, const std::vector<RegionDescriptor>& regions);
+  size_t PeerSetSize(uint32_t set) const;
   // src == nullptr with zero_byte: a barrier.
-  void Scatter(uint32_t group, const MemoryRegion* src, const uint64_t* src_offsets, const uint64_t* lengths,
+  void Scatter(uint32_t set, const MemoryRegion* src, const uint64_t* src_offsets, const uint64_t* lengths,
                const uint64_t* dst_offsets, size_t n, std::optional<uint32_t> imm, bool zero_byte);
   void Write(uint32_t peer, const MemoryRegion& src, uint64_t src_offset, uint64_t length,
              const RegionDescriptor& dst, uint64_t dst_offset, std::optional<uint32_t> imm);
@@ -173,11 +173,11 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   uint64_t nonce_ = 0;
   std::string address_;
 
-  mutable std::mutex mu_;  // peers_, groups_, regions_
+  mutable std::mutex mu_;  // peers_, peer_sets_, regions_
   std::condition_variable peers_cv_;
   std::vector<std::unique_ptr<PeerState>> peers_;
   std::unordered_map<uint64_t, uint32_t> peer_by_nonce_;
-  std::vector<std::unique_ptr<PeerGroup>> groups_;
+  std::vector<std::unique_ptr<PeerSet>> peer_sets_;
   std::unordered_map<uint64_t, RegionEntry> regions_;
   uint64_t next_region_id_ = 1;
   uint64_t next_key_ = 1;

@@ -12,7 +12,7 @@ namespace jax_moe::fabric {
 namespace {
 
 constexpr std::chrono::milliseconds kHelloResend(500);
-constexpr double kControlTimeoutSeconds = 30.0;  // descriptor checks (peer_group has no timeout argument)
+constexpr double kControlTimeoutSeconds = 30.0;  // descriptor checks (CreatePeerSet has no timeout argument)
 
 }  // namespace
 

@@ -1,4 +1,4 @@
-// EngineCore posting: peer groups, Scatter/Write validation and submission, and posting the backlog.
+// EngineCore posting: peer sets, Scatter/Write validation and submission, and posting the backlog.
 #include "fabric/engine_core.h"
 
 #include <algorithm>
@@ -54,35 +54,35 @@ uint64_t NicPeerKey(int nic, uint32_t peer) { return (static_cast<uint64_t>(nic)
 
 }  // namespace
 
-uint32_t EngineCore::CreateGroup(const std::vector<uint32_t>& peers, const std::vector<RegionDescriptor>& regions) {
+uint32_t EngineCore::CreatePeerSet(const std::vector<uint32_t>& peers, const std::vector<RegionDescriptor>& regions) {
   CheckOpen();
-  Require(!peers.empty(), "peer_group: no peers");
-  Require(peers.size() == regions.size(), "peer_group: " + std::to_string(peers.size()) + " peers but " +
+  Require(!peers.empty(), "peer_set: no peers");
+  Require(peers.size() == regions.size(), "peer_set: " + std::to_string(peers.size()) + " peers but " +
                                               std::to_string(regions.size()) + " descriptors");
-  Require(std::set<uint32_t>(peers.begin(), peers.end()).size() == peers.size(), "peer_group: duplicate peer");
+  Require(std::set<uint32_t>(peers.begin(), peers.end()).size() == peers.size(), "peer_set: duplicate peer");
   {
     // Cheap checks first, then ask the owners (a round trip, once per descriptor and peer).
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < peers.size(); ++i) {
       Require(peers[i] < peers_.size() && peers_[peers[i]]->ready,
-              "peer_group: unknown peer " + std::to_string(peers[i]) + " (connect() it first)");
-      Require(regions[i].owner == peers_[peers[i]]->nonce, "peer_group: descriptor " + std::to_string(i) +
+              "peer_set: unknown peer " + std::to_string(peers[i]) + " (connect() it first)");
+      Require(regions[i].owner == peers_[peers[i]]->nonce, "peer_set: descriptor " + std::to_string(i) +
                                                                " was not registered by " + peers_[peers[i]]->label +
                                                                " (forged or mismatched)");
     }
   }
   VerifyDescriptors(peers, regions);
-  auto group = std::make_unique<PeerGroup>();
+  auto set = std::make_unique<PeerSet>();
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < peers.size(); ++i) {
     Require(peers[i] < peers_.size() && peers_[peers[i]]->ready,
-            "peer_group: unknown peer " + std::to_string(peers[i]) + " (connect() it first)");
+            "peer_set: unknown peer " + std::to_string(peers[i]) + " (connect() it first)");
     const PeerState& p = *peers_[peers[i]];
     const RegionDescriptor& d = regions[i];
-    Require(d.owner == p.nonce, "peer_group: descriptor " + std::to_string(i) +
+    Require(d.owner == p.nonce, "peer_set: descriptor " + std::to_string(i) +
                                     " was not registered by " + p.label + " (forged or mismatched)");
     Require(static_cast<int>(d.keys.size()) == p.remote_num_nics,
-            "peer_group: descriptor " + std::to_string(i) + " has keys for " + std::to_string(d.keys.size()) +
+            "peer_set: descriptor " + std::to_string(i) + " has keys for " + std::to_string(d.keys.size()) +
                 " NICs, " + p.label + " has " + std::to_string(p.remote_num_nics));
     WriteTemplate t;
     t.peer = p.id;
@@ -93,21 +93,21 @@ uint32_t EngineCore::CreateGroup(const std::vector<uint32_t>& peers, const std::
     t.req.remote_addr = caps_.remote_virt_addr ? d.base : 0;
     t.imm_peer_id = p.remote_peer_id;
     t.remote_size = d.size;
-    group->templates.push_back(t);
+    set->templates.push_back(t);
   }
-  group->members = peers;
-  group->regions = regions;
-  groups_.push_back(std::move(group));
-  return static_cast<uint32_t>(groups_.size() - 1);
+  set->members = peers;
+  set->regions = regions;
+  peer_sets_.push_back(std::move(set));
+  return static_cast<uint32_t>(peer_sets_.size() - 1);
 }
 
-size_t EngineCore::GroupSize(uint32_t group) const {
+size_t EngineCore::PeerSetSize(uint32_t set) const {
   std::lock_guard<std::mutex> lock(mu_);
-  Require(group < groups_.size(), "unknown peer group " + std::to_string(group));
-  return groups_[group]->members.size();
+  Require(set < peer_sets_.size(), "unknown peer set " + std::to_string(set));
+  return peer_sets_[set]->members.size();
 }
 
-void EngineCore::Scatter(uint32_t group, const MemoryRegion* src, const uint64_t* src_offsets,
+void EngineCore::Scatter(uint32_t set, const MemoryRegion* src, const uint64_t* src_offsets,
                          const uint64_t* lengths, const uint64_t* dst_offsets, size_t n, std::optional<uint32_t> imm,
                          bool zero_byte) {
   CheckOpen();
@@ -115,10 +115,10 @@ void EngineCore::Scatter(uint32_t group, const MemoryRegion* src, const uint64_t
   std::vector<PendingWrite> writes;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    Require(group < groups_.size(), "unknown peer group " + std::to_string(group));
-    const PeerGroup& g = *groups_[group];
-    Require(n == g.members.size(), "scatter: got " + std::to_string(n) + " entries for a group of " +
-                                       std::to_string(g.members.size()) + " peers");
+    Require(set < peer_sets_.size(), "unknown peer set " + std::to_string(set));
+    const PeerSet& ps = *peer_sets_[set];
+    Require(n == ps.members.size(), "scatter: got " + std::to_string(n) + " entries for a peer set of " +
+                                        std::to_string(ps.members.size()) + " peers");
     const BackendRegion* local = nullptr;
     if (!zero_byte) {
       Require(src != nullptr && src->core_.lock().get() == this, "scatter: region is not registered with this engine");
@@ -128,7 +128,7 @@ void EngineCore::Scatter(uint32_t group, const MemoryRegion* src, const uint64_t
     }
     writes.resize(n);
     for (size_t i = 0; i < n; ++i) {
-      const WriteTemplate& t = g.templates[i];
+      const WriteTemplate& t = ps.templates[i];
       const PeerState& p = *peers_[t.peer];
       if (p.failed) Throw(ErrorCode::kPeerFailed, "scatter: " + PeerListLocked({t.peer}));
       uint64_t so = 0, len = 0, doff = 0;
@@ -137,7 +137,7 @@ void EngineCore::Scatter(uint32_t group, const MemoryRegion* src, const uint64_t
         Require(src->descriptor().Contains(so, len),
                 "scatter: entry " + std::to_string(i) + " reads [" + std::to_string(so) + ", +" + std::to_string(len) +
                     ") outside the source region of " + std::to_string(src->size()) + " bytes");
-        Require(g.regions[i].Contains(doff, len),
+        Require(ps.regions[i].Contains(doff, len),
                 "scatter: entry " + std::to_string(i) + " writes [" + std::to_string(doff) + ", +" +
                     std::to_string(len) + ") outside the remote region of " + std::to_string(t.remote_size) +
                     " bytes of " + p.label);

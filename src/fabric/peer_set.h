@@ -1,6 +1,6 @@
-// Write templates of a peer group: everything about a member's write that does not change between
+// Write templates of a peer set: everything about a member's write that does not change between
 // calls (NIC, peer handle, remote key, remote base, immediate's sender peer id) is resolved once when
-// the group is created; Patch() fills in the per-call fields. Pure logic, no transport calls.
+// the set is created; PatchWrite() fills in the per-call fields. Pure logic, no transport calls.
 #pragma once
 #include <cstdint>
 #include <optional>
@@ -34,7 +34,8 @@ inline void PatchWrite(const WriteTemplate& t, const void* src_base, void* local
   out->context = context;
 }
 
-struct PeerGroup {
+// A prebuilt ordered set of peers, one remote region and one write template per member.
+struct PeerSet {
   std::vector<uint32_t> members;
   std::vector<RegionDescriptor> regions;
   std::vector<WriteTemplate> templates;
