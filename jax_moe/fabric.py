@@ -9,8 +9,8 @@ Backed by libfabric (providers ``efa``, ``tcp``, ``shm``) or libibverbs, impleme
     mr = eng.register(buf)
     # exchange eng.address() and mr.descriptor() out of band, then
     peer = eng.connect(other_address)
-    g = eng.peer_group([peer], [other_descriptor])
-    eng.scatter(g, mr, src_offsets, lengths, dst_offsets, imm=1)   # int64 arrays, one entry per peer
+    ps = eng.peer_set([peer], [other_descriptor])
+    eng.scatter(ps, mr, src_offsets, lengths, dst_offsets, imm=1)   # int64 arrays, one entry per peer
     eng.wait_imm(1, count=1, timeout_s=10)   # the peer's write into *our* buffer landed
     eng.wait_sends(timeout_s=10)             # our writes completed; buf may be reused
 
@@ -44,7 +44,7 @@ class MemoryRegion:
         self._engine = engine
 
     def descriptor(self) -> bytes:
-        """Bytes a peer passes to peer_group()/write() to write into this region."""
+        """Bytes a peer passes to peer_set()/write() to write into this region."""
         return self._region.descriptor()
 
     @property
@@ -73,7 +73,7 @@ def _offsets(name: str, values, n: Optional[int] = None) -> np.ndarray:
         raise ValueError(f"{name} must hold integers (int64), got dtype {arr.dtype}")
     arr = np.ascontiguousarray(arr, dtype=np.int64)
     if n is not None and arr.shape[0] != n:
-        raise ValueError(f"{name} has {arr.shape[0]} entries but the peer group has {n} members")
+        raise ValueError(f"{name} has {arr.shape[0]} entries but the peer set has {n} members")
     if arr.size and int(arr.min()) < 0:
         raise ValueError(f"{name} holds a negative value ({int(arr.min())})")
     return arr
@@ -103,7 +103,7 @@ class TransferEngine:
     """RDMA engine: register memory, connect peers, write/scatter/barrier with immediates.
 
     provider: "auto" (efa, then verbs, then tcp, then shm), "efa", "verbs", "tcp" or "shm".
-    num_nics: domains to open; a peer group's members are sharded over them.
+    num_nics: domains to open; a peer set's members are sharded over them.
     """
 
     def __init__(self, provider: str = "auto", num_nics: int = 1, *, progress_cpu: int = -1,
@@ -113,7 +113,7 @@ class TransferEngine:
         if int(num_nics) < 1:
             raise ValueError(f"num_nics must be >= 1, got {num_nics}")
         self._eng = _f.Engine(provider, int(num_nics), int(progress_cpu), bool(busy_poll))
-        self._groups: dict[int, int] = {}
+        self._peer_sets: dict[int, int] = {}  # peer set id -> member count
         self._max_imm = int(self._eng.max_imm)
         self._closed = False
 
@@ -166,18 +166,18 @@ class TransferEngine:
             raise ValueError("connect(): address must be bytes (from TransferEngine.address())")
         return int(self._eng.connect(bytes(address), _timeout(timeout_s)))
 
-    def peer_group(self, peers: Sequence[int], descriptors: Sequence[bytes]) -> int:
-        """An ordered group of peers with one remote region descriptor each; returns a group id."""
+    def peer_set(self, peers: Sequence[int], descriptors: Sequence[bytes]) -> int:
+        """An ordered set of peers with one remote region descriptor each; returns a peer set id."""
         peers = [int(p) for p in peers]
         descriptors = list(descriptors)
         if len(peers) != len(descriptors):
-            raise ValueError(f"peer_group(): {len(peers)} peers but {len(descriptors)} descriptors")
+            raise ValueError(f"peer_set(): {len(peers)} peers but {len(descriptors)} descriptors")
         for i, d in enumerate(descriptors):
             if not isinstance(d, (bytes, bytearray, memoryview)):
-                raise ValueError(f"peer_group(): descriptor {i} must be bytes")
-        g = int(self._eng.peer_group(peers, [bytes(d) for d in descriptors]))
-        self._groups[g] = len(peers)
-        return g
+                raise ValueError(f"peer_set(): descriptor {i} must be bytes")
+        ps = int(self._eng.peer_set(peers, [bytes(d) for d in descriptors]))
+        self._peer_sets[ps] = len(peers)
+        return ps
 
     # -- transfers --------------------------------------------------------------------------------
     def _region(self, mr) -> object:
@@ -185,27 +185,27 @@ class TransferEngine:
             raise ValueError("expected a MemoryRegion registered with this engine")
         return mr._region
 
-    def _group(self, g) -> int:
-        if int(g) not in self._groups:
-            raise ValueError(f"unknown peer group {g}")
-        return self._groups[int(g)]
+    def _set_size(self, ps) -> int:
+        if int(ps) not in self._peer_sets:
+            raise ValueError(f"unknown peer set {ps}")
+        return self._peer_sets[int(ps)]
 
-    def scatter(self, g: int, mr: MemoryRegion, src_offsets, lengths, dst_offsets, imm) -> None:
-        """One write per group member i: mr[src_offsets[i] : +lengths[i]] -> member i at dst_offsets[i].
+    def scatter(self, ps: int, mr: MemoryRegion, src_offsets, lengths, dst_offsets, imm) -> None:
+        """One write per member i of peer set `ps`: mr[src_offsets[i] : +lengths[i]] -> member i at dst_offsets[i].
 
         Every member's write carries `imm` (also when its length is 0).
         """
-        n = self._group(g)
+        n = self._set_size(ps)
         region = self._region(mr)
         src = _offsets("src_offsets", src_offsets, n)
         ln = _offsets("lengths", lengths, n)
         dst = _offsets("dst_offsets", dst_offsets, n)
-        self._eng.scatter(int(g), region, src, ln, dst, _imm(imm, True, self._max_imm))
+        self._eng.scatter(int(ps), region, src, ln, dst, _imm(imm, True, self._max_imm))
 
-    def barrier(self, g: int, imm: int) -> None:
-        """A zero-byte write with immediate `imm` to every member of group `g`."""
-        self._group(g)
-        self._eng.barrier(int(g), _imm(imm, False, self._max_imm))
+    def barrier(self, ps: int, imm: int) -> None:
+        """A zero-byte write with immediate `imm` to every member of peer set `ps`."""
+        self._set_size(ps)
+        self._eng.barrier(int(ps), _imm(imm, False, self._max_imm))
 
     def write(self, peer: int, mr: MemoryRegion, src_offset: int, length: int, descriptor: bytes,
               dst_offset: int, imm: Optional[int] = None) -> None:

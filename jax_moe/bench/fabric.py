@@ -76,7 +76,7 @@ def _worker(d: str, rank: int, peers: int, provider: str, sizes: list[int], warm
     _publish(d, f"desc.{rank}", mr.descriptor())
     if rank == 0:
         ids = [eng.connect(_fetch(d, f"addr.{r}"), WAIT) for r in range(1, peers + 1)]
-        g = eng.peer_group(ids, [_fetch(d, f"desc.{r}") for r in range(1, peers + 1)])
+        ps = eng.peer_set(ids, [_fetch(d, f"desc.{r}") for r in range(1, peers + 1)])
         results = []
         for size in sizes:
             w, n = _rounds_for(size, warmup, iters)
@@ -86,7 +86,7 @@ def _worker(d: str, rank: int, peers: int, provider: str, sizes: list[int], warm
             times = []
             for r in range(w + n):
                 t0 = time.perf_counter()
-                eng.scatter(g, mr, src, lengths, dst, 1)
+                eng.scatter(ps, mr, src, lengths, dst, 1)
                 eng.wait_imm(2, peers, WAIT)
                 t1 = time.perf_counter()
                 eng.wait_sends(WAIT)
@@ -99,12 +99,12 @@ def _worker(d: str, rank: int, peers: int, provider: str, sizes: list[int], warm
         _publish(d, "results", json.dumps(results).encode())
     else:
         sender = eng.connect(_fetch(d, "addr.0"), WAIT)
-        g = eng.peer_group([sender], [_fetch(d, "desc.0")])
+        ps = eng.peer_set([sender], [_fetch(d, "desc.0")])
         for size in sizes:
             w, n = _rounds_for(size, warmup, iters)
             for _ in range(w + n):
                 eng.wait_imm(1, 1, WAIT)
-                eng.barrier(g, 2)
+                eng.barrier(ps, 2)
         eng.wait_sends(WAIT)
         _fetch(d, "results", 120)  # keep the endpoint alive until the sender is done
     eng.close()

@@ -56,7 +56,7 @@ class CpuComm {
 
   const CommOptions& options() const { return options_; }
   std::vector<Endpoint> LocalEndpoints() const;
-  // Connects to every remote rank of the local ranks' groups and builds the peer groups.
+  // Connects to every remote rank of the local ranks' groups and builds the peer sets.
   void Connect(const std::vector<Endpoint>& remote);
   uint64_t BytesAllocated() const;
   // The host of every process (index = process), for error messages that say where a rank runs.

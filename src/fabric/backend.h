@@ -23,7 +23,7 @@ struct BackendRegion {
   std::vector<void*> descs;     // local descriptors (fi_mr_desc / lkey), one per NIC
 };
 
-// A write ready to post. Built from a group template and patched per call (see peer_group.h).
+// A write ready to post. Built from a peer set's template and patched per call (see peer_set.h).
 struct WriteRequest {
   void* context = nullptr;  // OpContextStorage* returned in the completion
   uint64_t dest = 0;        // peer handle from AddPeer on this NIC
@@ -33,8 +33,8 @@ struct WriteRequest {
   uint64_t remote_addr = 0;  // virtual address or offset, as remote_virt_addr() says
   uint64_t rkey = 0;
   bool has_imm = false;
-  uint32_t imm = 0;   // user value
-  uint32_t slot = 0;  // the id the receiver knows us by (encoded as imm_mode() says)
+  uint32_t imm = 0;             // user value
+  uint32_t sender_peer_id = 0;  // the peer id the receiver knows us by (encoded as imm_mode() says)
 };
 
 struct Completion {

@@ -1,9 +1,16 @@
-// Internals of TransferEngine: peer table, handshake, progress thread. Not a public header.
+// Internals of TransferEngine: the engine's shared state and methods. Not a public header.
+// The methods live in one file per concern:
+//   engine_core.cc       lifecycle: open, close, running a call on the progress thread; peers and stats
+//   engine_register.cc   memory registration
+//   engine_handshake.cc  peer table, handshake, descriptor checks with their owners, peer failure
+//   engine_post.cc       peer sets, Scatter/Write validation, posting the backlog
+//   engine_progress.cc   progress thread: submissions, completions, and the waits on them
 #pragma once
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -15,16 +22,24 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/format.h"
 #include "fabric/backend.h"
 #include "fabric/imm_counter.h"
-#include "fabric/peer_group.h"
+#include "fabric/peer_set.h"
 #include "fabric/transfer_engine.h"
 #include "fabric/wire.h"
 
 namespace jax_moe::fabric {
 
-// Completion state of a call run on the progress thread (engine_core.cc).
-struct CallState;
+// Completion state of a call run on the progress thread (RunOnProgress).
+struct CallState {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+};
+
+inline std::string FormatSeconds(double s) { return Format("%.3g s", s); }
 
 // Per-operation context handed to the provider; recycled through a free list on the progress thread.
 struct OpContext {
@@ -40,14 +55,14 @@ struct PeerState {
   uint64_t nonce = 0;
   std::string address;  // serialized EngineAddress
   std::string label;
-  std::vector<uint64_t> dest;  // handle per local NIC
-  int nic = 0;                 // local NIC used for this peer's writes
-  int remote_nic = 0;          // the peer's NIC those writes land on
+  std::vector<uint64_t> dest;   // handle per local NIC
+  int nic = 0;                  // local NIC used for this peer's writes
+  int remote_nic = 0;           // the peer's NIC those writes land on
   int remote_num_nics = 1;
-  uint32_t remote_slot = 0;    // what the peer calls us (stamped into immediates)
-  bool ready = false;          // handshake done
+  uint32_t remote_peer_id = 0;  // what the peer calls us (stamped into immediates)
+  bool ready = false;           // handshake done
   std::atomic<bool> failed{false};
-  std::string failure;         // guarded by EngineCore::mu_
+  std::string failure;          // guarded by EngineCore::mu_
   std::atomic<int64_t> in_flight{0};
 };
 
@@ -68,10 +83,10 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   std::shared_ptr<MemoryRegion> Register(void* ptr, uint64_t nbytes, int device);
   void Deregister(uint64_t id);
   uint32_t Connect(const std::string& address, double timeout_s);
-  uint32_t CreateGroup(const std::vector<uint32_t>& peers, const std::vector<RegionDescriptor>& regions);
-  size_t GroupSize(uint32_t group) const;
+  uint32_t CreatePeerSet(const std::vector<uint32_t>& peers, const std::vector<RegionDescriptor>& regions);
+  size_t PeerSetSize(uint32_t set) const;
   // src == nullptr with zero_byte: a barrier.
-  void Scatter(uint32_t group, const MemoryRegion* src, const uint64_t* src_offsets, const uint64_t* lengths,
+  void Scatter(uint32_t set, const MemoryRegion* src, const uint64_t* src_offsets, const uint64_t* lengths,
                const uint64_t* dst_offsets, size_t n, std::optional<uint32_t> imm, bool zero_byte);
   void Write(uint32_t peer, const MemoryRegion& src, uint64_t src_offset, uint64_t length,
              const RegionDescriptor& dst, uint64_t dst_offset, std::optional<uint32_t> imm);
@@ -113,29 +128,36 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
     bool bootstrap;  // hello/ack
   };
 
+  // engine_core.cc
   // Runs `fn` on the progress thread and waits for it (registration, AV inserts). Rethrows its error.
   void RunOnProgress(std::function<void()> fn);
-  void Submit(std::vector<PendingWrite>&& writes);
-  void ProgressLoop();
-  bool DrainSubmissions();
-  bool PostPending();
-  bool PollAll();
-  void ResendHellos();
-  void OnCompletion(int nic, const Completion& c);
-  void OnMessage(int nic, const std::string& bytes);
+
+  // engine_handshake.cc
+  PeerState& FindOrAddPeerLocked(const EngineAddress& addr, const std::string& raw);  // progress thread
   void SendHandshake(PeerState& peer, Handshake::Type type);
   void SendControl(uint32_t peer, Handshake::Type type, uint32_t id, const std::string& blob);  // progress thread
+  void ResendHellos();
+  void OnMessage(int nic, const std::string& bytes);
   // Asks each descriptor's owner to confirm it names a live region (cached per peer). Throws
   // kInvalidArgument naming the descriptor the owner rejected, kTimeout naming owners that did not answer.
   void VerifyDescriptors(const std::vector<uint32_t>& peers, const std::vector<RegionDescriptor>& regions);
   std::string CheckOwnDescriptor(const std::string& bytes) const;  // "" when valid; takes mu_
-  PeerState& FindOrAddPeerLocked(const EngineAddress& addr, const std::string& raw);  // progress thread
   void FailPeer(uint32_t peer, const std::string& why);
+  std::string PeerLabel(uint32_t peer) const;  // takes mu_
+  std::string PeerListLocked(const std::vector<uint32_t>& peers) const;
+
+  // engine_post.cc
+  void Submit(std::vector<PendingWrite>&& writes);
+  bool PostPending();  // progress thread
+
+  // engine_progress.cc (progress thread)
+  void ProgressLoop();
+  bool DrainSubmissions();
+  bool PollAll();
+  void OnCompletion(int nic, const Completion& c);
   OpContext* NewOp(OpContext::Kind kind, uint32_t peer, int nic);
   void FreeOp(OpContext* op);
   void PostRecvBuffer(int nic, OpContext* op);
-  std::string PeerLabel(uint32_t peer) const;  // takes mu_
-  std::string PeerListLocked(const std::vector<uint32_t>& peers) const;
   void WriteDone(OpContext* op, bool ok);
 
   EngineOptions options_;
@@ -151,11 +173,11 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   uint64_t nonce_ = 0;
   std::string address_;
 
-  mutable std::mutex mu_;  // peers_, groups_, regions_
+  mutable std::mutex mu_;  // peers_, peer_sets_, regions_
   std::condition_variable peers_cv_;
   std::vector<std::unique_ptr<PeerState>> peers_;
   std::unordered_map<uint64_t, uint32_t> peer_by_nonce_;
-  std::vector<std::unique_ptr<PeerGroup>> groups_;
+  std::vector<std::unique_ptr<PeerSet>> peer_sets_;
   std::unordered_map<uint64_t, RegionEntry> regions_;
   uint64_t next_region_id_ = 1;
   uint64_t next_key_ = 1;

@@ -42,21 +42,21 @@ PeerId TransferEngine::Connect(const std::string& address, double timeout_s) {
   return core_->Connect(address, timeout_s);
 }
 
-GroupId TransferEngine::CreatePeerGroup(const std::vector<PeerId>& peers,
+PeerSetId TransferEngine::CreatePeerSet(const std::vector<PeerId>& peers,
                                         const std::vector<RegionDescriptor>& regions) {
-  return core_->CreateGroup(peers, regions);
+  return core_->CreatePeerSet(peers, regions);
 }
 
-size_t TransferEngine::GroupSize(GroupId group) const { return core_->GroupSize(group); }
+size_t TransferEngine::PeerSetSize(PeerSetId set) const { return core_->PeerSetSize(set); }
 
-void TransferEngine::Scatter(GroupId group, const MemoryRegion& src, const uint64_t* src_offsets,
+void TransferEngine::Scatter(PeerSetId set, const MemoryRegion& src, const uint64_t* src_offsets,
                              const uint64_t* lengths, const uint64_t* dst_offsets, size_t n,
                              std::optional<uint32_t> imm) {
-  core_->Scatter(group, &src, src_offsets, lengths, dst_offsets, n, imm, /*zero_byte=*/false);
+  core_->Scatter(set, &src, src_offsets, lengths, dst_offsets, n, imm, /*zero_byte=*/false);
 }
 
-void TransferEngine::Barrier(GroupId group, uint32_t imm) {
-  core_->Scatter(group, nullptr, nullptr, nullptr, nullptr, core_->GroupSize(group), imm, /*zero_byte=*/true);
+void TransferEngine::Barrier(PeerSetId set, uint32_t imm) {
+  core_->Scatter(set, nullptr, nullptr, nullptr, nullptr, core_->PeerSetSize(set), imm, /*zero_byte=*/true);
 }
 
 void TransferEngine::Write(PeerId peer, const MemoryRegion& src, uint64_t src_offset, uint64_t length,

@@ -8,8 +8,8 @@
 //   auto mr = eng.Register(buf, nbytes);                 // host memory (device >= 0: CUDA memory)
 //   publish(eng.Address(), mr->descriptor().Serialize()); // out of band (files, a store, MPI...)
 //   PeerId p = eng.Connect(peer_address, /*timeout_s=*/30);   // blocking handshake
-//   GroupId g = eng.CreatePeerGroup({p, q}, {RegionDescriptor::Parse(dp), RegionDescriptor::Parse(dq)});
-//   eng.Scatter(g, *mr, src_offsets, lengths, dst_offsets, /*n=*/2, /*imm=*/7);  // one write per member
+//   PeerSetId s = eng.CreatePeerSet({p, q}, {RegionDescriptor::Parse(dp), RegionDescriptor::Parse(dq)});
+//   eng.Scatter(s, *mr, src_offsets, lengths, dst_offsets, /*n=*/2, /*imm=*/7);  // one write per member
 //   eng.WaitImmFrom(7, {p, q}, /*timeout_s=*/5);         // p's and q's writes to *us* landed
 //   eng.WaitSends(5);                                    // our own writes completed: buffer reusable
 //
@@ -42,11 +42,11 @@
 namespace jax_moe::fabric {
 
 using PeerId = uint32_t;
-using GroupId = uint32_t;
+using PeerSetId = uint32_t;
 
 struct EngineOptions {
   std::string provider = "auto";  // "auto" (efa, verbs, tcp, shm), "efa", "verbs", "tcp", "shm"
-  int num_nics = 1;               // domains opened; a group's peers are sharded over them
+  int num_nics = 1;               // domains opened; a peer set's members are sharded over them
   int progress_cpu = -1;          // pin the progress thread to this core (-1: no pinning)
   bool busy_poll = false;         // never nap when idle (lowest latency, burns a core)
 };
@@ -115,15 +115,15 @@ class TransferEngine {
   // Fixes an ordered member list and one remote region per member; write templates are built here.
   // Member i writes through local NIC i % num_nics(). Verifies unseen descriptors with their owners
   // (30 s bound; kTimeout names silent owners, kInvalidArgument a rejected descriptor).
-  GroupId CreatePeerGroup(const std::vector<PeerId>& peers, const std::vector<RegionDescriptor>& regions);
-  size_t GroupSize(GroupId group) const;
+  PeerSetId CreatePeerSet(const std::vector<PeerId>& peers, const std::vector<RegionDescriptor>& regions);
+  size_t PeerSetSize(PeerSetId set) const;
 
   // One write per member i: src[src_offsets[i], +lengths[i]) -> member i's region at dst_offsets[i].
   // Zero-length entries still carry the immediate (a "nothing for you" signal) when imm is set.
-  void Scatter(GroupId group, const MemoryRegion& src, const uint64_t* src_offsets, const uint64_t* lengths,
+  void Scatter(PeerSetId set, const MemoryRegion& src, const uint64_t* src_offsets, const uint64_t* lengths,
                const uint64_t* dst_offsets, size_t n, std::optional<uint32_t> imm);
   // A zero-byte write with immediate `imm` to every member.
-  void Barrier(GroupId group, uint32_t imm);
+  void Barrier(PeerSetId set, uint32_t imm);
   void Write(PeerId peer, const MemoryRegion& src, uint64_t src_offset, uint64_t length,
              const RegionDescriptor& dst, uint64_t dst_offset, std::optional<uint32_t> imm);
 

@@ -55,7 +55,7 @@ std::string Handshake::Serialize() const {
   w.Put<uint16_t>(kVersion);
   w.Put<uint8_t>(type);
   w.Put<uint64_t>(sender_nonce);
-  w.Put<uint32_t>(your_slot);
+  w.Put<uint32_t>(your_peer_id);
   w.PutBytes(sender_address);
   w.PutBytes(blob);
   Seal(w);
@@ -72,7 +72,7 @@ Handshake Handshake::Parse(const void* data, size_t size) {
   Require(t >= kHello && t <= kVerifyReply, what + "bad type");
   h.type = static_cast<Type>(t);
   h.sender_nonce = r.Get<uint64_t>();
-  h.your_slot = r.Get<uint32_t>();
+  h.your_peer_id = r.Get<uint32_t>();
   h.sender_address = r.GetBytes(kMaxStr);
   h.blob = r.GetBytes(kMaxStr);
   CheckSeal(r, data, what);

@@ -38,7 +38,7 @@ void Channel::Connect(const std::vector<fabric::PeerId>& peers, std::vector<fabr
   Require(peers.size() == remote_ranks_.size() && regions.size() == peers.size(),
           "Channel: one engine and one region per remote rank");
   if (peers.empty()) return;
-  fabric::GroupId set = engine_->CreatePeerGroup(peers, regions);
+  fabric::PeerSetId set = engine_->CreatePeerSet(peers, regions);
   std::lock_guard<std::mutex> lock(mu_);
   remote_peers_ = peers;
   remote_regions_ = std::move(regions);

@@ -118,7 +118,7 @@ class Channel {
   std::vector<int64_t> remote_index_;  // [N]: position in remote_ranks_, or -1 for a same-process rank
   std::vector<fabric::PeerId> remote_peers_;
   std::vector<fabric::RegionDescriptor> remote_regions_;  // receive buffers of the remote ranks
-  fabric::GroupId peer_set_ = 0;
+  fabric::PeerSetId peer_set_ = 0;
   uint64_t send_round_ = 0, received_ = 0;
   // Guarded by mu_:
   StagingPool staging_;

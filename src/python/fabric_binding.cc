@@ -112,25 +112,26 @@ void RegisterFabric(nb::module_& m) {
              return s.e().Connect(a, timeout_s);
            },
            "address"_a, "timeout_s"_a = 30.0)
-      .def("peer_group",
+      .def("peer_set",
            [](Engine& s, const std::vector<uint32_t>& peers, const std::vector<nb::bytes>& descriptors) {
              std::vector<RegionDescriptor> regions;
              for (const auto& d : descriptors) regions.push_back(RegionDescriptor::Parse(FromBytes(d)));
              nb::gil_scoped_release nogil;
-             return s.e().CreatePeerGroup(peers, regions);
+             return s.e().CreatePeerSet(peers, regions);
            },
            "peers"_a, "descriptors"_a)
-      .def("group_size", [](Engine& s, uint32_t g) { return s.e().GroupSize(g); })
+      .def("peer_set_size", [](Engine& s, uint32_t set) { return s.e().PeerSetSize(set); })
       .def("scatter",
-           [](Engine& s, uint32_t g, const Region& r, Offsets src, Offsets len, Offsets dst, std::optional<uint32_t> imm) {
+           [](Engine& s, uint32_t set, const Region& r, Offsets src, Offsets len, Offsets dst,
+              std::optional<uint32_t> imm) {
              Require(src.shape(0) == len.shape(0) && len.shape(0) == dst.shape(0),
                      "scatter: src_offsets, lengths and dst_offsets must have the same length");
              auto so = Unsigned(src, "src_offsets"), ln = Unsigned(len, "lengths"), dof = Unsigned(dst, "dst_offsets");
              nb::gil_scoped_release nogil;
-             s.e().Scatter(g, *r.mr, so.data(), ln.data(), dof.data(), so.size(), imm);
+             s.e().Scatter(set, *r.mr, so.data(), ln.data(), dof.data(), so.size(), imm);
            },
-           "group"_a, "region"_a, "src_offsets"_a, "lengths"_a, "dst_offsets"_a, "imm"_a.none())
-      .def("barrier", [](Engine& s, uint32_t g, uint32_t imm) { s.e().Barrier(g, imm); }, "group"_a, "imm"_a,
+           "peer_set"_a, "region"_a, "src_offsets"_a, "lengths"_a, "dst_offsets"_a, "imm"_a.none())
+      .def("barrier", [](Engine& s, uint32_t set, uint32_t imm) { s.e().Barrier(set, imm); }, "peer_set"_a, "imm"_a,
            nb::call_guard<nb::gil_scoped_release>())
       .def("write",
            [](Engine& s, uint32_t peer, const Region& r, uint64_t src_offset, uint64_t length, nb::bytes descriptor,

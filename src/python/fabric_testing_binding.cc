@@ -127,8 +127,8 @@ void RegisterVerbsHooks(nb::module_& t) {
 
 void RegisterFabricTesting(nb::module_& m) {
   nb::module_ t = nb::module_(m.attr("fabric")).def_submodule("_testing", "test hooks (not a public API)");
-  t.def("imm_encode", [](uint32_t slot, uint32_t user) { return EncodeImm(slot, user); });
-  t.def("imm_decode", [](uint32_t imm) { return std::make_pair(ImmSlot(imm), ImmUser(imm)); });
+  t.def("imm_encode", [](uint32_t peer_id, uint32_t user) { return EncodeImm(peer_id, user); });
+  t.def("imm_decode", [](uint32_t imm) { return std::make_pair(ImmPeerId(imm), ImmUser(imm)); });
   t.def("descriptor_serialize",
         [](uint64_t owner, uint64_t base, uint64_t size, uint32_t flags, std::vector<uint64_t> keys) {
           RegionDescriptor d;

@@ -128,47 +128,47 @@ def test_write_scatter_barrier_and_errors(pair):
     p = a.connect(b.address(), 10)
     assert a.connect(b.address(), 10) == p  # idempotent
     q = b.connect(a.address(), 10)          # b already knows a from the handshake
-    g = a.peer_group([p], [mb.descriptor()])
+    ps = a.peer_set([p], [mb.descriptor()])
 
     a.write(p, ma, 10, 100, mb.descriptor(), 500, imm=3)
     b.wait_imm(3, 1, 5)
     assert np.array_equal(dst[500:600], src[10:110])
-    a.scatter(g, ma, np.array([0]), np.array([4096]), np.array([4096]), 4)
+    a.scatter(ps, ma, np.array([0]), np.array([4096]), np.array([4096]), 4)
     b.wait_imm(4, 1, 5)
     assert np.array_equal(dst[4096:], src)
-    a.barrier(g, 8)
+    a.barrier(ps, 8)
     b.wait_imm(8, 1, 5)
     a.wait_sends(5)
 
     # Bad input never reaches the wire.
-    with pytest.raises(ValueError, match="group has 1"):
-        a.scatter(g, ma, [0, 0], [1, 1], [0, 0], 1)
+    with pytest.raises(ValueError, match="set has 1"):
+        a.scatter(ps, ma, [0, 0], [1, 1], [0, 0], 1)
     with pytest.raises(ValueError, match="outside the remote region"):
-        a.scatter(g, ma, [0], [100], [8150], 1)
+        a.scatter(ps, ma, [0], [100], [8150], 1)
     with pytest.raises(ValueError, match="outside the source region"):
-        a.scatter(g, ma, [4000], [100], [0], 1)
+        a.scatter(ps, ma, [4000], [100], [0], 1)
     with pytest.raises(ValueError, match="negative"):
-        a.scatter(g, ma, [-1], [1], [0], 1)
+        a.scatter(ps, ma, [-1], [1], [0], 1)
     with pytest.raises(ValueError, match="integers"):
-        a.scatter(g, ma, [0.5], [1], [0], 1)
+        a.scatter(ps, ma, [0.5], [1], [0], 1)
     with pytest.raises(ValueError, match="imm"):
-        a.scatter(g, ma, [0], [1], [0], a.max_imm + 1)
+        a.scatter(ps, ma, [0], [1], [0], a.max_imm + 1)
     with pytest.raises(ValueError, match="imm"):
-        a.barrier(g, -1)
-    # Full 32-bit immediates (tcp carries 8 bytes of CQ data: the sender slot rides in the upper half).
+        a.barrier(ps, -1)
+    # Full 32-bit immediates (tcp carries 8 bytes of CQ data: the sender peer id rides in the upper half).
     assert a.max_imm == 0xFFFFFFFF
-    a.barrier(g, 0xFFFFFFFF)
+    a.barrier(ps, 0xFFFFFFFF)
     a.write(p, ma, 0, 1, mb.descriptor(), 0, imm=0x80000001)
     b.wait_imm(0xFFFFFFFF, 1, 5)
     b.wait_imm_from(0x80000001, [q], 5)
-    with pytest.raises(ValueError, match="unknown peer group"):
+    with pytest.raises(ValueError, match="unknown peer set"):
         a.barrier(17, 1)
     with pytest.raises(ValueError, match="registered with this engine"):
         b.write(q, ma, 0, 1, a.register(np.zeros(8, np.uint8)).descriptor(), 0)
     with pytest.raises(ValueError, match="descriptors"):
-        a.peer_group([p], [])
+        a.peer_set([p], [])
     with pytest.raises(ValueError, match="unknown peer"):
-        a.peer_group([42], [mb.descriptor()])
+        a.peer_set([42], [mb.descriptor()])
 
     # Timeouts name the silent peer.
     t0 = time.monotonic()
@@ -180,8 +180,8 @@ def test_write_scatter_barrier_and_errors(pair):
     assert a.stats()["write_errors"] == 0
 
     # Non-blocking forms (what a proxy loop uses from C++).
-    a.barrier(g, 21)
-    a.barrier(g, 21)
+    a.barrier(ps, 21)
+    a.barrier(ps, 21)
     a.wait_sends(5)
     deadline = time.monotonic() + 5
     while b._eng.banked_imm(21) < 2 and time.monotonic() < deadline:
@@ -247,8 +247,8 @@ def test_engines_with_different_nic_counts(provider):
         msrc = [e.register(s) for e, s in zip(engs, srcs)]
         for i, e in enumerate(engs):
             others = [j for j in range(3) if j != i]
-            g = e.peer_group([e.connect(engs[j].address(), 10) for j in others], [mrs[j].descriptor() for j in others])
-            e.scatter(g, msrc[i], [0, 0], [4096, 4096], [i * 4096, i * 4096], 11)
+            ps = e.peer_set([e.connect(engs[j].address(), 10) for j in others], [mrs[j].descriptor() for j in others])
+            e.scatter(ps, msrc[i], [0, 0], [4096, 4096], [i * 4096, i * 4096], 11)
         for i, e in enumerate(engs):
             e.wait_imm(11, 2, 10)
             e.wait_sends(10)
@@ -272,7 +272,7 @@ def test_concurrent_submitters_and_waiters(pair):
     p = a.connect(b.address(), 10)
     q = b.connect(a.address(), 10)
     desc = mb.descriptor()
-    g = a.peer_group([p], [desc])
+    ps = a.peer_set([p], [desc])
     errors = []
 
     def sender(t):
@@ -282,7 +282,7 @@ def test_concurrent_submitters_and_waiters(pair):
                 if i % 2:
                     a.write(p, ma, t * chunk, chunk, desc, off, imm=1000 + t)
                 else:
-                    a.scatter(g, ma, [t * chunk], [chunk], [off], 1000 + t)
+                    a.scatter(ps, ma, [t * chunk], [chunk], [off], 1000 + t)
             a.wait_sends(10)
         except Exception as e:  # noqa: BLE001
             errors.append(e)

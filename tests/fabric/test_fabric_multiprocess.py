@@ -24,7 +24,7 @@ def test_scatter_rounds_byte_exact(tmp_path, provider, world):
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_two_nics_shard_peers(tmp_path, provider):
-    """num_nics=2: a group's members are split over both domains; receivers count per NIC."""
+    """num_nics=2: a peer set's members are split over both domains; receivers count per NIC."""
     res = run_world(tmp_path, 3, provider, "rounds", num_nics=2, rounds=60)
     per_nic = [0, 0]
     for r in res.values():
@@ -60,6 +60,6 @@ def test_forged_descriptors_rejected(tmp_path, provider):
         assert r[key].startswith("ValueError"), (key, r[key])
     for key in ("oversized", "shifted", "other_key"):
         assert r[key].startswith("ValueError") and "rejected by its owner" in r[key], (key, r[key])
-        assert r[key + "_group"].startswith("ValueError"), (key, r[key + "_group"])
+        assert r[key + "_peer_set"].startswith("ValueError"), (key, r[key + "_peer_set"])
     assert r["genuine"] == "ok"
     assert all(x["recv_untouched"] for x in res.values())

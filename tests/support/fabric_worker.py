@@ -70,7 +70,7 @@ class World:
         self.desc = {r: fetch(d, f"desc.{r}") for r in self.others}
         # Connect in a staggered order so both sides of a pair race through the handshake.
         self.peer = {r: self.eng.connect(self.addr[r], WAIT) for r in sorted(self.others, key=lambda r: (r - rank) % n)}
-        self.group = self.eng.peer_group([self.peer[r] for r in self.others], [self.desc[r] for r in self.others])
+        self.peer_set = self.eng.peer_set([self.peer[r] for r in self.others], [self.desc[r] for r in self.others])
 
     def round(self, rnd, big=False, check=True):
         par = rnd % 2
@@ -78,8 +78,8 @@ class World:
         lengths = np.array([p[0] for p in plans], np.int64)
         src = np.array([p[1] for p in plans], np.int64)
         dst = np.array([(par * self.n + self.rank) * SLOT + p[2] for p in plans], np.int64)
-        imm = 0xC0DE0000 + rnd % 4  # full 32-bit values: the sender slot travels beside them
-        self.eng.scatter(self.group, self.mr_send, src, lengths, dst, imm)
+        imm = 0xC0DE0000 + rnd % 4  # full 32-bit values: the sender peer id travels beside them
+        self.eng.scatter(self.peer_set, self.mr_send, src, lengths, dst, imm)
         self.eng.wait_imm(imm, self.n - 1, WAIT)
         if check:
             for r in self.others:
@@ -92,7 +92,7 @@ class World:
                     raise AssertionError(f"round {rnd}: data from rank {r} differs at byte {bad} of {length}")
 
     def barrier(self, imm=999):
-        self.eng.barrier(self.group, imm)
+        self.eng.barrier(self.peer_set, imm)
         self.eng.wait_imm(imm, self.n - 1, WAIT)
 
 
@@ -119,7 +119,7 @@ def scenario_killed(w, rounds):
         PATTERNS[r] = send_pattern(r)
     w.round(0)
     w.barrier()
-    victim = 0  # first member of every survivor's group: its stuck writes must not hold back the others
+    victim = 0  # first member of every survivor's peer set: its stuck writes must not hold back the others
     # The victim dies only once every survivor has its barrier message: our barrier returning says the
     # others' messages reached us, not that ours reached them (a kill right away once lost one over tcp).
     if w.rank == victim:
@@ -134,7 +134,7 @@ def scenario_killed(w, rounds):
     t0 = time.monotonic()
     out = {"victim_peer": w.peer[victim]}
     try:
-        w.eng.scatter(w.group, w.mr_send, np.zeros(w.n - 1, np.int64), np.full(w.n - 1, 1024, np.int64),
+        w.eng.scatter(w.peer_set, w.mr_send, np.zeros(w.n - 1, np.int64), np.full(w.n - 1, 1024, np.int64),
                       np.full(w.n - 1, w.rank * SLOT, np.int64), 55)
         w.eng.wait_imm(55, w.n - 1, 3.0)
         out["wait_imm"] = "ok"
@@ -169,10 +169,10 @@ def scenario_forged(w, rounds):
         real = w.desc[1]
         p1 = w.peer[1]
 
-        def attempt(name, desc, fn="group"):
+        def attempt(name, desc, fn="peer_set"):
             try:
-                if fn == "group":
-                    w.eng.peer_group([p1], [desc])
+                if fn == "peer_set":
+                    w.eng.peer_set([p1], [desc])
                 else:
                     w.eng.write(p1, w.mr_send, 0, 64, desc, 0, imm=5)
                 out[name] = "accepted"
@@ -210,10 +210,10 @@ def scenario_forged(w, rounds):
             except Exception as e:  # noqa: BLE001
                 out[name] = f"{type(e).__name__}: {e}"
             try:
-                w.eng.peer_group([p1], [reseal(body)])
-                out[name + "_group"] = "accepted"
+                w.eng.peer_set([p1], [reseal(body)])
+                out[name + "_peer_set"] = "accepted"
             except Exception as e:  # noqa: BLE001
-                out[name + "_group"] = f"{type(e).__name__}: {e}"
+                out[name + "_peer_set"] = f"{type(e).__name__}: {e}"
         # The genuine descriptor still works after all that.
         w.eng.write(p1, w.mr_send, 0, 0, real, 0, imm=7)
         w.eng.wait_sends(5.0)

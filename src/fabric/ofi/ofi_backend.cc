@@ -182,9 +182,9 @@ class OfiBackend final : public Backend {
       msg.rma_iov_count = 1;
       msg.context = w.context;
       switch (imm_mode_) {
-        case ImmMode::kWide: msg.data = (static_cast<uint64_t>(w.slot) << 32) | w.imm; break;
+        case ImmMode::kWide: msg.data = (static_cast<uint64_t>(w.sender_peer_id) << 32) | w.imm; break;
         case ImmMode::kSource: msg.data = w.imm; break;
-        case ImmMode::kPacked: msg.data = EncodeImm(w.slot, w.imm); break;
+        case ImmMode::kPacked: msg.data = EncodeImm(w.sender_peer_id, w.imm); break;
       }
       ssize_t rc = fi_writemsg(ep, &msg, FI_COMPLETION | (w.has_imm ? FI_REMOTE_CQ_DATA : 0));
       if (rc == -FI_EAGAIN) return i;
@@ -252,7 +252,7 @@ class OfiBackend final : public Backend {
           }
           case ImmMode::kPacked:
             c.imm = ImmUser(static_cast<uint32_t>(e.data));
-            c.peer = ImmSlot(static_cast<uint32_t>(e.data));
+            c.peer = ImmPeerId(static_cast<uint32_t>(e.data));
             break;
         }
       } else if (e.flags & FI_RECV) {

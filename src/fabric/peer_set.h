@@ -1,6 +1,6 @@
-// Write templates of a peer group: everything about a member's write that does not change between
-// calls (NIC, peer handle, remote key, remote base, immediate's sender slot) is resolved once when the
-// group is created; Patch() fills in the per-call fields. Pure logic, no transport calls.
+// Write templates of a peer set: everything about a member's write that does not change between
+// calls (NIC, peer handle, remote key, remote base, immediate's sender peer id) is resolved once when
+// the set is created; PatchWrite() fills in the per-call fields. Pure logic, no transport calls.
 #pragma once
 #include <cstdint>
 #include <optional>
@@ -14,8 +14,8 @@ namespace jax_moe::fabric {
 struct WriteTemplate {
   uint32_t peer = 0;
   int nic = 0;
-  WriteRequest req;        // dest, rkey, remote_addr (region base or 0) prefilled
-  uint32_t imm_slot = 0;   // sender slot the receiver knows us by
+  WriteRequest req;          // dest, rkey, remote_addr (region base or 0) prefilled
+  uint32_t imm_peer_id = 0;  // the peer id the receiver knows us by
   uint64_t remote_size = 0;
 };
 
@@ -30,11 +30,12 @@ inline void PatchWrite(const WriteTemplate& t, const void* src_base, void* local
   out->remote_addr = t.req.remote_addr + dst_offset;
   out->has_imm = imm.has_value();
   out->imm = imm ? *imm : 0;
-  out->slot = t.imm_slot;
+  out->sender_peer_id = t.imm_peer_id;
   out->context = context;
 }
 
-struct PeerGroup {
+// A prebuilt ordered set of peers, one remote region and one write template per member.
+struct PeerSet {
   std::vector<uint32_t> members;
   std::vector<RegionDescriptor> regions;
   std::vector<WriteTemplate> templates;

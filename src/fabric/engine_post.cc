@@ -1,0 +1,252 @@
+// EngineCore posting: peer sets, Scatter/Write validation and submission, and posting the backlog.
+#include "fabric/engine_core.h"
+
+#include <algorithm>
+#include <set>
+
+#include "common/error.h"
+
+namespace jax_moe::fabric {
+
+namespace {
+
+// What became of one attempt to post a queued item.
+enum class PostOutcome {
+  kDone,     // left the queue: posted, or (a write) completed as failed; counts as progress
+  kDropped,  // left the queue unposted and released (a send; its peer was failed); not progress
+  kRefused,  // the provider's queue is full for this (NIC, peer): stays queued
+};
+
+// One pass over `queue` in order. A refusal is remembered per (NIC, peer) key and that key's later
+// items wait without being tried; after kMaxBlocked distinct refusals the endpoint itself is probably
+// full and the rest waits for the next pass. Returns whether anything counted as progress.
+template <typename Item, typename KeyOf, typename TryPost>
+bool PostQueue(std::deque<Item>& queue, KeyOf key_of, TryPost try_post) {
+  constexpr size_t kMaxBlocked = 64;
+  if (queue.empty()) return false;
+  bool progressed = false;
+  std::vector<uint64_t> blocked;
+  std::deque<Item> keep;
+  while (!queue.empty()) {
+    Item item = std::move(queue.front());
+    queue.pop_front();
+    const uint64_t k = key_of(item);
+    if (std::find(blocked.begin(), blocked.end(), k) != blocked.end()) {
+      keep.push_back(std::move(item));
+      continue;
+    }
+    const PostOutcome outcome = try_post(item);
+    if (outcome == PostOutcome::kDone) progressed = true;
+    if (outcome != PostOutcome::kRefused) continue;
+    blocked.push_back(k);
+    keep.push_back(std::move(item));
+    if (blocked.size() >= kMaxBlocked) break;
+  }
+  while (!queue.empty()) {
+    keep.push_back(std::move(queue.front()));
+    queue.pop_front();
+  }
+  queue.swap(keep);
+  return progressed;
+}
+
+uint64_t NicPeerKey(int nic, uint32_t peer) { return (static_cast<uint64_t>(nic) << 32) | peer; }
+
+}  // namespace
+
+uint32_t EngineCore::CreatePeerSet(const std::vector<uint32_t>& peers, const std::vector<RegionDescriptor>& regions) {
+  CheckOpen();
+  Require(!peers.empty(), "peer_set: no peers");
+  Require(peers.size() == regions.size(), "peer_set: " + std::to_string(peers.size()) + " peers but " +
+                                              std::to_string(regions.size()) + " descriptors");
+  Require(std::set<uint32_t>(peers.begin(), peers.end()).size() == peers.size(), "peer_set: duplicate peer");
+  {
+    // Cheap checks first, then ask the owners (a round trip, once per descriptor and peer).
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < peers.size(); ++i) {
+      Require(peers[i] < peers_.size() && peers_[peers[i]]->ready,
+              "peer_set: unknown peer " + std::to_string(peers[i]) + " (connect() it first)");
+      Require(regions[i].owner == peers_[peers[i]]->nonce, "peer_set: descriptor " + std::to_string(i) +
+                                                               " was not registered by " + peers_[peers[i]]->label +
+                                                               " (forged or mismatched)");
+    }
+  }
+  VerifyDescriptors(peers, regions);
+  auto set = std::make_unique<PeerSet>();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < peers.size(); ++i) {
+    Require(peers[i] < peers_.size() && peers_[peers[i]]->ready,
+            "peer_set: unknown peer " + std::to_string(peers[i]) + " (connect() it first)");
+    const PeerState& p = *peers_[peers[i]];
+    const RegionDescriptor& d = regions[i];
+    Require(d.owner == p.nonce, "peer_set: descriptor " + std::to_string(i) +
+                                    " was not registered by " + p.label + " (forged or mismatched)");
+    Require(static_cast<int>(d.keys.size()) == p.remote_num_nics,
+            "peer_set: descriptor " + std::to_string(i) + " has keys for " + std::to_string(d.keys.size()) +
+                " NICs, " + p.label + " has " + std::to_string(p.remote_num_nics));
+    WriteTemplate t;
+    t.peer = p.id;
+    t.nic = static_cast<int>(i % num_nics_);  // shard members (not bytes) over local NICs
+    const int remote_nic = t.nic % p.remote_num_nics;
+    t.req.dest = p.dest[t.nic];
+    t.req.rkey = d.keys[remote_nic];
+    t.req.remote_addr = caps_.remote_virt_addr ? d.base : 0;
+    t.imm_peer_id = p.remote_peer_id;
+    t.remote_size = d.size;
+    set->templates.push_back(t);
+  }
+  set->members = peers;
+  set->regions = regions;
+  peer_sets_.push_back(std::move(set));
+  return static_cast<uint32_t>(peer_sets_.size() - 1);
+}
+
+size_t EngineCore::PeerSetSize(uint32_t set) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  Require(set < peer_sets_.size(), "unknown peer set " + std::to_string(set));
+  return peer_sets_[set]->members.size();
+}
+
+void EngineCore::Scatter(uint32_t set, const MemoryRegion* src, const uint64_t* src_offsets,
+                         const uint64_t* lengths, const uint64_t* dst_offsets, size_t n, std::optional<uint32_t> imm,
+                         bool zero_byte) {
+  CheckOpen();
+  if (imm) CheckImm(*imm);
+  std::vector<PendingWrite> writes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Require(set < peer_sets_.size(), "unknown peer set " + std::to_string(set));
+    const PeerSet& ps = *peer_sets_[set];
+    Require(n == ps.members.size(), "scatter: got " + std::to_string(n) + " entries for a peer set of " +
+                                        std::to_string(ps.members.size()) + " peers");
+    const BackendRegion* local = nullptr;
+    if (!zero_byte) {
+      Require(src != nullptr && src->core_.lock().get() == this, "scatter: region is not registered with this engine");
+      auto it = regions_.find(src->id_);
+      Require(it != regions_.end(), "scatter: region was deregistered");
+      local = it->second.region.get();
+    }
+    writes.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      const WriteTemplate& t = ps.templates[i];
+      const PeerState& p = *peers_[t.peer];
+      if (p.failed) Throw(ErrorCode::kPeerFailed, "scatter: " + PeerListLocked({t.peer}));
+      uint64_t so = 0, len = 0, doff = 0;
+      if (!zero_byte) {
+        so = src_offsets[i], len = lengths[i], doff = dst_offsets[i];
+        Require(src->descriptor().Contains(so, len),
+                "scatter: entry " + std::to_string(i) + " reads [" + std::to_string(so) + ", +" + std::to_string(len) +
+                    ") outside the source region of " + std::to_string(src->size()) + " bytes");
+        Require(ps.regions[i].Contains(doff, len),
+                "scatter: entry " + std::to_string(i) + " writes [" + std::to_string(doff) + ", +" +
+                    std::to_string(len) + ") outside the remote region of " + std::to_string(t.remote_size) +
+                    " bytes of " + p.label);
+        Require(len <= caps_.max_write_bytes, "scatter: entry " + std::to_string(i) + " exceeds the provider's " +
+                                                  std::to_string(caps_.max_write_bytes) + "-byte write limit");
+      }
+      const void* base = zero_byte ? nullptr : src->data();
+      void* desc = zero_byte ? nullptr : local->descs[t.nic];
+      PatchWrite(t, base, desc, so, len, doff, imm, nullptr, &writes[i].req);
+      writes[i].nic = t.nic;
+      writes[i].peer = t.peer;
+    }
+    for (const auto& w : writes) peers_[w.peer]->in_flight++;
+  }
+  writes_posted_ += n;
+  Submit(std::move(writes));
+}
+
+void EngineCore::Write(uint32_t peer, const MemoryRegion& src, uint64_t src_offset, uint64_t length,
+                       const RegionDescriptor& dst, uint64_t dst_offset, std::optional<uint32_t> imm) {
+  CheckOpen();
+  if (imm) CheckImm(*imm);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Require(peer < peers_.size() && peers_[peer]->ready, "write: unknown peer " + std::to_string(peer));
+    Require(dst.owner == peers_[peer]->nonce,
+            "write: descriptor was not registered by " + peers_[peer]->label + " (forged or mismatched)");
+  }
+  VerifyDescriptors({peer}, {dst});
+  std::vector<PendingWrite> writes(1);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Require(peer < peers_.size() && peers_[peer]->ready, "write: unknown peer " + std::to_string(peer));
+    PeerState& p = *peers_[peer];
+    if (p.failed) Throw(ErrorCode::kPeerFailed, "write: " + PeerListLocked({peer}));
+    Require(dst.owner == p.nonce, "write: descriptor was not registered by " + p.label + " (forged or mismatched)");
+    Require(static_cast<int>(dst.keys.size()) == p.remote_num_nics, "write: descriptor NIC count mismatch");
+    Require(src.core_.lock().get() == this, "write: region is not registered with this engine");
+    auto it = regions_.find(src.id_);
+    Require(it != regions_.end(), "write: region was deregistered");
+    Require(src.descriptor().Contains(src_offset, length), "write: source range [" + std::to_string(src_offset) + ", +" +
+                                                               std::to_string(length) + ") outside the source region of " +
+                                                               std::to_string(src.size()) + " bytes");
+    Require(dst.Contains(dst_offset, length), "write: destination range [" + std::to_string(dst_offset) + ", +" +
+                                                  std::to_string(length) + ") outside the remote region of " +
+                                                  std::to_string(dst.size) + " bytes");
+    Require(length <= caps_.max_write_bytes, "write: exceeds the provider's write size limit");
+    WriteTemplate t;
+    t.peer = peer;
+    t.nic = p.nic;
+    t.req.dest = p.dest[p.nic];
+    t.req.rkey = dst.keys[p.remote_nic];
+    t.req.remote_addr = caps_.remote_virt_addr ? dst.base : 0;
+    t.imm_peer_id = p.remote_peer_id;
+    PatchWrite(t, src.data(), it->second.region->descs[p.nic], src_offset, length, dst_offset, imm, nullptr,
+               &writes[0].req);
+    writes[0].nic = p.nic;
+    writes[0].peer = peer;
+    p.in_flight++;
+  }
+  writes_posted_++;
+  Submit(std::move(writes));
+}
+
+void EngineCore::Submit(std::vector<PendingWrite>&& writes) {
+  {
+    std::lock_guard<std::mutex> lock(sq_mu_);
+    if (sq_writes_.empty()) {
+      sq_writes_ = std::move(writes);
+    } else {
+      sq_writes_.insert(sq_writes_.end(), writes.begin(), writes.end());
+    }
+    sq_nonempty_ = true;
+  }
+  sq_cv_.notify_one();
+}
+
+// Posts queued control messages, then writes. A full queue (-FI_EAGAIN) is tracked per (NIC, peer):
+// rxm answers EAGAIN for a peer it cannot connect to (a dead process), and that must not hold back
+// writes to everyone else (PostQueue). What stays queued waits for the next pass, after completions
+// were polled.
+bool EngineCore::PostPending() {
+  bool progressed = PostQueue(
+      pending_sends_, [](const PendingSend& s) { return NicPeerKey(s.nic, s.op->peer); },
+      [this](PendingSend& s) {
+        try {
+          const bool ok =
+              backend_->PostSend(s.nic, s.dest, s.op->buffer.data(), s.op->buffer.size(), s.op, s.bootstrap);
+          return ok ? PostOutcome::kDone : PostOutcome::kRefused;
+        } catch (const Error& e) {
+          FailPeer(s.op->peer, e.what());
+          FreeOp(s.op);
+          return PostOutcome::kDropped;
+        }
+      });
+  progressed |= PostQueue(
+      backlog_, [](const PendingWrite& w) { return NicPeerKey(w.nic, w.peer); },
+      [this](PendingWrite& w) {
+        if (w.req.context == nullptr) w.req.context = NewOp(OpContext::kWrite, w.peer, w.nic);
+        try {
+          return backend_->PostWrites(w.nic, &w.req, 1) == 1 ? PostOutcome::kDone : PostOutcome::kRefused;
+        } catch (const Error& e) {
+          // This write cannot be posted at all: it completes as failed and marks its peer.
+          FailPeer(w.peer, e.what());
+          WriteDone(static_cast<OpContext*>(w.req.context), false);
+          return PostOutcome::kDone;
+        }
+      });
+  return progressed;
+}
+
+}  // namespace jax_moe::fabric
