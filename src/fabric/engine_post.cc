@@ -243,6 +243,10 @@ bool EngineCore::PostPending() {
           // This write cannot be posted at all: it completes as failed and marks its peer.
           FailPeer(w.peer, e.what());
           WriteDone(static_cast<OpContext*>(w.req.context), false);
+          {  // it completed here, not through the CQ: wake WaitSends as a polled completion would
+            std::lock_guard<std::mutex> lock(sends_mu_);
+            sends_cv_.notify_all();
+          }
           return PostOutcome::kDone;
         }
       });
