@@ -91,19 +91,21 @@ void Channel::Send(uint64_t round, const std::vector<int32_t>& rows, const Fill&
     }
   }
   cv_.notify_all();
-  if (!post.empty()) Post(round, st, post, bytes);
+  if (post.empty()) return;
+  st->remote_pending = true;
+  std::vector<uint64_t> offsets;
+  for (int32_t p : post) offsets.push_back(uint64_t(p) * lanes().region_bytes);
+  Post(round, *st->mr, offsets, post, bytes);
 }
 
-void Channel::Post(uint64_t round, Staging* st, const std::vector<int32_t>& ranks, const std::vector<uint64_t>& bytes) {
-  const uint64_t region = lanes().region_bytes;
+void Channel::Post(uint64_t round, const fabric::MemoryRegion& src, const std::vector<uint64_t>& src_offsets,
+                   const std::vector<int32_t>& ranks, const std::vector<uint64_t>& bytes) {
   const uint32_t imm = Imm(config_.data_kind, round, uint32_t(config_.rank));
   const uint64_t dst = lanes().Offset(round, config_.rank);
-  st->remote_pending = true;
   if (ranks.size() == remote_ranks_.size()) {  // the common case: one scatter from the peer set's prebuilt templates
-    std::vector<uint64_t> src(ranks.size()), dsts(ranks.size(), dst);
-    for (size_t i = 0; i < ranks.size(); ++i) src[i] = uint64_t(ranks[i]) * region;
+    std::vector<uint64_t> dsts(ranks.size(), dst);
     try {
-      engine_->Scatter(peer_set_, *st->mr, src.data(), bytes.data(), dsts.data(), src.size(), imm);
+      engine_->Scatter(peer_set_, src, src_offsets.data(), bytes.data(), dsts.data(), ranks.size(), imm);
       return;
     } catch (const Error& e) {
       if (e.code() != ErrorCode::kPeerFailed) throw;
@@ -115,7 +117,7 @@ void Channel::Post(uint64_t round, Staging* st, const std::vector<int32_t>& rank
   for (size_t j = 0; j < ranks.size(); ++j) {
     const int64_t i = remote_index_[ranks[j]];
     try {
-      engine_->Write(remote_peers_[i], *st->mr, uint64_t(ranks[j]) * region, bytes[j], remote_regions_[i], dst, imm);
+      engine_->Write(remote_peers_[i], src, src_offsets[j], bytes[j], remote_regions_[i], dst, imm);
     } catch (const Error& e) {
       failed.push_back(ranks[j]);
       why = e.what();
@@ -125,6 +127,22 @@ void Channel::Post(uint64_t round, Staging* st, const std::vector<int32_t>& rank
     Throw(ErrorCode::kPeerFailed, std::string(config_.name) + " on rank " + std::to_string(config_.rank) +
                                       ": cannot write to ranks " + RankList(failed) + ": " + why);
   }
+}
+
+bool Channel::PostArea(uint64_t round, const fabric::MemoryRegion& area, const uint64_t* bytes) {
+  for (int32_t p : remote_ranks_) {
+    if (!CreditOk(p, round)) return false;
+  }
+  if (remote_ranks_.empty()) return true;
+  std::vector<uint64_t> offsets, lengths;
+  for (int32_t p : remote_ranks_) {
+    Require(bytes[p] <= lanes().region_bytes, std::string(config_.name) + ": the device announced a region of " +
+                                                  std::to_string(bytes[p]) + " bytes, more than a region holds");
+    offsets.push_back(lanes().Offset(round, p));
+    lengths.push_back(bytes[p]);
+  }
+  Post(round, area, offsets, remote_ranks_, lengths);
+  return true;
 }
 
 void Channel::Flush() {

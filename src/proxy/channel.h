@@ -82,6 +82,12 @@ class Channel {
   // is given, without the lock: in place in a same-process receiver when it has credit, else in staging.
   using Fill = std::function<void(const std::vector<uint8_t*>& regions)>;
   void Send(uint64_t round, const std::vector<int32_t>& rows, const Fill& fill);
+  // Posts `round` from a send area the device filled ([K lanes][N ranks] regions in the Lanes layout; bytes[p] of
+  // rank p's region) to the remote ranks: false, posting nothing, while one of them has not given credit for it. For
+  // a device that packs its own regions (a GPU through the Pump). Under the lock.
+  bool PostArea(uint64_t round, const fabric::MemoryRegion& area, const uint64_t* bytes);
+  // The lock the Proxy or Pump gave this channel.
+  std::mutex& mu() const { return mu_; }
   // Delivers queued regions whose receivers gave credit since (the progress thread). Under the lock.
   void Flush();
   bool HasQueued() const;
@@ -105,9 +111,11 @@ class Channel {
   uint32_t Imm(ImmKind kind, uint64_t round, uint32_t rank) const {
     return MakeImm(kind, config_.comm_id, rank, uint32_t(lanes().Lane(round)));
   }
-  // Posts our region of `round` for the remote ranks `ranks` from staging `st` (one scatter when they are all the
-  // remote ranks); throws kPeerFailed naming the ranks it could not reach after serving the others.
-  void Post(uint64_t round, Staging* st, const std::vector<int32_t>& ranks, const std::vector<uint64_t>& bytes);
+  // Posts our region of `round` for the remote ranks `ranks`, rank ranks[i]'s from src_offsets[i] of `src` (one
+  // scatter when they are all the remote ranks); throws kPeerFailed naming the ranks it could not reach after
+  // serving the others.
+  void Post(uint64_t round, const fabric::MemoryRegion& src, const std::vector<uint64_t>& src_offsets,
+            const std::vector<int32_t>& ranks, const std::vector<uint64_t>& bytes);
 
   ChannelConfig config_;
   std::shared_ptr<fabric::TransferEngine> engine_;

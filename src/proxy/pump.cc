@@ -1,0 +1,109 @@
+#include "proxy/pump.h"
+
+#include <chrono>
+
+#include "common/error.h"
+#include "common/format.h"
+
+namespace jax_moe::proxy {
+namespace {
+
+uint64_t Load(const uint64_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
+void Store(uint64_t* word, uint64_t v) { __atomic_store_n(word, v, __ATOMIC_RELEASE); }
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+Pump::Pump(std::vector<Link> links, double timeout_s, std::function<std::string(int64_t)> name)
+    : links_(std::move(links)), timeout_s_(timeout_s), name_(std::move(name)) {
+  Require(timeout_s > 0, "Pump: timeout must be positive");
+  for (const Link& l : links_) Require(l.channel && l.area && l.bell && l.bytes, "Pump: incomplete link");
+  thread_ = std::thread([this] { Loop(); });
+}
+
+Pump::~Pump() {
+  stop_.store(true);
+  if (thread_.joinable()) thread_.join();
+}
+
+std::string Pump::error() const {
+  std::lock_guard<std::mutex> lock(error_mu_);
+  return error_;
+}
+
+void Pump::Stop(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    if (error_.empty()) error_ = why;
+  }
+  for (Link& l : links_) Store(l.bell + kError, 1);
+  stop_.store(true);
+}
+
+// One pass over a link: post what the device rang (as far as credits allow), raise `sent` once the NIC is done with
+// it, raise `arrived` for every round whose remote regions are all here, and give credit for what the device read.
+bool Pump::Step(Link& link, State& st) {
+  Channel& ch = *link.channel;
+  bool moved = false;
+  const uint64_t rung = Load(link.bell + kRung);
+  const Lanes& lanes = ch.lanes();
+  while (st.posted < rung &&
+         ch.PostArea(st.posted + 1, *link.area, link.bytes + lanes.Lane(st.posted + 1) * lanes.num_ranks)) {
+    ++st.posted;
+    ch.NextSendRound();
+    moved = true;
+  }
+  fabric::TransferEngine* engine = ch.engine();
+  if (Load(link.bell + kSent) < st.posted && (!engine || engine->SendsInFlight() == 0)) {
+    Store(link.bell + kSent, st.posted);
+    moved = true;
+  }
+  // Arrivals are only expected for rounds the device has rung itself: every rank runs the same program.
+  std::vector<int32_t> missing;
+  while (st.flagged < rung && ch.Arrived(st.flagged + 1, &missing)) {
+    Store(link.bell + kArrived, ++st.flagged);
+    st.waiting_since = -1;
+    moved = true;
+  }
+  if (st.flagged < rung) {
+    const double now = Now();
+    if (st.waiting_since < 0) st.waiting_since = now;
+    if (now - st.waiting_since > timeout_s_) {
+      std::string names;
+      for (int32_t p : missing) names += (names.empty() ? "" : ", ") + name_(p);
+      Stop(std::string(ch.config().name) + " on " + name_(ch.config().rank) + ": no data from " + names +
+           " within " + Format("%g", timeout_s_) + " s (round " + std::to_string(st.flagged + 1) +
+           "): its process may have died or stopped calling this Communicator");
+      return false;
+    }
+  }
+  const uint64_t read = Load(link.bell + kRead);
+  while (st.released < read && st.released < st.flagged) {
+    ch.Release(++st.released);
+    ch.CountReceived();
+    moved = true;
+  }
+  return moved;
+}
+
+void Pump::Loop() {
+  std::vector<State> states(links_.size());
+  while (!stop_.load(std::memory_order_relaxed)) {
+    bool moved = false;
+    try {
+      for (size_t i = 0; i < links_.size(); ++i) {
+        std::lock_guard<std::mutex> lock(links_[i].channel->mu());
+        moved |= Step(links_[i], states[i]);
+      }
+    } catch (const std::exception& e) {
+      Stop(e.what());
+    }
+    // Busy while rounds move; a short nap when idle keeps the core free between layers.
+    if (!moved) std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+}  // namespace jax_moe::proxy

@@ -1,0 +1,74 @@
+// The proxy loop of a device that cannot drive the NIC itself (a GPU): one host thread that watches the device's
+// doorbells, posts its regions to the ranks of other processes, counts their arrivals and raises the flags the device
+// waits on, and returns credits once the device has read a round. The thread posts and polls itself: nothing on the
+// data path is handed to another thread.
+//
+// Control words live in memory both sides see: host-mapped pinned memory on a GPU, plain host memory when a host
+// thread plays the device (tests). Each word has one writer. Per direction of a rank (Bell):
+//   device: bytes[lane][p] (our region's bytes for rank p), then rung = k: round k's regions are in the send area, lane
+//           k % K, region of rank p at Lanes::Offset(k, p); read = k: the device finished reading round k
+//   pump:   sent = k: every write of rounds <= k completed (their send lanes may be rewritten); arrived = k: every
+//           remote sender's region of rounds <= k is in the receive area; error != 0: the pump stopped (Pump::error)
+// Peers this device reaches itself (NVLink) are not the pump's: their channel entries are same-process ones whose
+// credits and arrivals the device handles (NoPeersHere).
+#pragma once
+#include <atomic>
+#include <functional>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "proxy/channel.h"
+
+namespace jax_moe::proxy {
+
+enum BellWord { kRung = 0, kSent = 1, kArrived = 2, kRead = 3, kError = 4, kBellWords = 8 };
+
+// The pump's view of peers it does not serve: the device signals those itself.
+class NoPeersHere final : public SameProcess {
+ public:
+  bool CreditOk(int64_t, uint64_t) const override { return true; }
+  uint8_t* Region(int64_t, uint64_t) const override { return nullptr; }
+  void Deliver(int64_t, const uint8_t*, uint64_t, uint64_t) override {}
+  bool Arrived(int64_t, uint64_t) const override { return true; }
+  void Released(uint64_t) override {}
+};
+
+class Pump {
+ public:
+  struct Link {
+    Channel* channel;                  // one direction of one rank; its remote ranks are the pump's
+    const fabric::MemoryRegion* area;  // the send area: [K lanes][N ranks] regions, registered with the engine
+    uint64_t* bell;                    // kBellWords words (see BellWord)
+    const uint64_t* bytes;             // [K lanes][N]: bytes of a round's region for each rank, in its lane
+  };
+  // `name(rank)` says where a rank runs, for errors. Starts the thread.
+  Pump(std::vector<Link> links, double timeout_s, std::function<std::string(int64_t)> name);
+  ~Pump();
+  Pump(const Pump&) = delete;
+  Pump& operator=(const Pump&) = delete;
+
+  // Empty while the pump runs; else why it stopped (every later round of the device must fail with it).
+  std::string error() const;
+
+ private:
+  struct State {
+    uint64_t posted = 0, flagged = 0, released = 0;
+    double waiting_since = -1;  // when the device rang a round whose arrivals are still missing
+  };
+  void Loop();
+  bool Step(Link& link, State& st);  // true when anything moved
+  void Stop(const std::string& why);
+
+  std::vector<Link> links_;
+  const double timeout_s_;
+  std::function<std::string(int64_t)> name_;
+  mutable std::mutex error_mu_;
+  std::string error_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+}  // namespace jax_moe::proxy

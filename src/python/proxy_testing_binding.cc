@@ -1,0 +1,202 @@
+// `jax_moe._core.proxy_testing`: one rank of the GPU proxy path with a host thread (Python) playing the GPU. The
+// rank owns its send area, receive area and doorbell words in host memory, a TransferEngine, one channel (dispatch)
+// whose peers are all in other processes, and the Pump that serves it: the same proxy code a GPU rank runs, minus
+// the kernels. Python writes regions and rings, the pump posts, counts arrivals, raises flags and returns credits.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "fabric/transfer_engine.h"
+#include "proxy/channel.h"
+#include "proxy/pump.h"
+#include "proxy/region_header.h"
+#include "python/registry.h"
+
+namespace nb = nanobind;
+
+namespace jax_moe::py {
+namespace {
+
+using proxy::Pump;
+
+struct Aligned {
+  explicit Aligned(uint64_t bytes) : size(bytes) {
+    data.reset(static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));
+    if (!data) Throw(ErrorCode::kInternal, "out of host memory");
+    std::memset(data.get(), 0, bytes);
+  }
+  struct Free {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  std::unique_ptr<uint8_t, Free> data;
+  uint64_t size;
+};
+
+proxy::MoeShape Shape(int n, int max_tokens, int hidden) {
+  proxy::MoeShape s;
+  s.num_ranks = n;
+  s.num_experts = n;
+  s.local_experts = 1;
+  s.experts_per_token = 1;
+  s.hidden = hidden;
+  s.max_tokens = max_tokens;
+  if (*s.Problem()) Throw(ErrorCode::kInvalidArgument, s.Problem());
+  return s;
+}
+
+uint64_t RegionBytes(const proxy::MoeShape& s) {
+  return proxy::AlignUp(proxy::RegionHeaderBytes(s) + uint64_t(s.rows_per_peer()) * s.dispatch_row_bytes(), 64);
+}
+
+class PumpRank {
+ public:
+  // The regions of a dispatch of `max_tokens` tokens of `hidden` bf16 channels, one expert per rank, top-1.
+  PumpRank(const std::string& provider, int rank, int n, int lanes, int max_tokens, int hidden, uint32_t comm_id,
+           double timeout_s)
+      : rank_(rank),
+        comm_id_(comm_id),
+        timeout_s_(timeout_s),
+        shape_(Shape(n, max_tokens, hidden)),
+        lanes_{n, lanes, RegionBytes(shape_)},
+        send_(lanes_.buffer_bytes()),
+        recv_(lanes_.buffer_bytes()),
+        bell_(sizeof(uint64_t) * proxy::kBellWords),
+        bytes_(sizeof(uint64_t) * n * lanes) {
+    Require(rank >= 0 && rank < n && lanes >= 2 && lanes <= proxy::kMaxLanes, "PumpRank: bad rank or lanes");
+    fabric::EngineOptions options;
+    options.provider = provider;
+    engine_ = std::make_shared<fabric::TransferEngine>(options);
+    send_mr_ = engine_->Register(send_.data.get(), send_.size);
+    recv_mr_ = engine_->Register(recv_.data.get(), recv_.size);
+    proxy::ChannelConfig config;
+    config.name = "dispatch";
+    config.data_kind = proxy::ImmKind::kDispatchData;
+    config.credit_kind = proxy::ImmKind::kDispatchCredit;
+    config.comm_id = comm_id;
+    config.rank = rank;
+    config.lanes = lanes_;
+    std::vector<bool> remote(n, true);
+    remote[rank] = false;  // its own region: the device copies it (here: nobody reads it)
+    channel_ = std::make_unique<proxy::Channel>(
+        config, remote, engine_, &local_, [](uint64_t) -> proxy::Block { Throw(ErrorCode::kInternal, "no staging"); },
+        mu_, cv_);
+  }
+  ~PumpRank() { Close(); }
+
+  nb::bytes Address() const {
+    std::string a = engine_->Address();
+    return nb::bytes(a.data(), a.size());
+  }
+  nb::bytes Descriptor() const {
+    std::string d = recv_mr_->descriptor().Serialize();
+    return nb::bytes(d.data(), d.size());
+  }
+  // peers: (address, receive descriptor) of every rank but this one, in rank order.
+  void Connect(const std::vector<std::tuple<nb::bytes, nb::bytes>>& peers) {
+    std::vector<fabric::PeerId> ids;
+    std::vector<fabric::RegionDescriptor> regions;
+    for (const auto& [address, descriptor] : peers) {
+      ids.push_back(engine_->Connect(std::string(address.c_str(), address.size()), timeout_s_));
+      regions.push_back(fabric::RegionDescriptor::Parse(std::string(descriptor.c_str(), descriptor.size())));
+    }
+    channel_->Connect(ids, std::move(regions));
+  }
+  void Start() {
+    Require(!pump_, "PumpRank: started twice");
+    Pump::Link link{channel_.get(), send_mr_.get(), reinterpret_cast<uint64_t*>(bell_.data.get()),
+                    reinterpret_cast<const uint64_t*>(bytes_.data.get())};
+    pump_ = std::make_unique<Pump>(std::vector<Pump::Link>{link}, timeout_s_,
+                                   [](int64_t r) { return "rank " + std::to_string(r); });
+  }
+  void Close() {
+    pump_.reset();
+    if (engine_) engine_->Close();
+  }
+
+  // The device's side.
+  void WriteRegion(uint64_t round, int peer, const nb::bytes& data) {
+    Require(peer >= 0 && peer < lanes_.num_ranks && data.size() <= lanes_.region_bytes, "write_region: out of range");
+    std::memcpy(send_.data.get() + lanes_.Offset(round, peer), data.c_str(), data.size());
+  }
+  nb::bytes ReadRegion(uint64_t round, int sender, uint64_t size) const {
+    Require(sender >= 0 && sender < lanes_.num_ranks && size <= lanes_.region_bytes, "read_region: out of range");
+    return nb::bytes(reinterpret_cast<const char*>(recv_.data.get() + lanes_.Offset(round, sender)), size);
+  }
+  void SetBytes(uint64_t round, int peer, uint64_t v) {
+    Require(peer >= 0 && peer < lanes_.num_ranks, "set_bytes: out of range");
+    uint64_t* word = reinterpret_cast<uint64_t*>(bytes_.data.get()) + lanes_.Lane(round) * lanes_.num_ranks + peer;
+    __atomic_store_n(word, v, __ATOMIC_RELAXED);
+  }
+  // The checks a receiving device runs on a region before using it (proxy::CheckHeader): "" or what is wrong.
+  std::string CheckRegion(uint64_t round, int sender) const {
+    Require(sender >= 0 && sender < lanes_.num_ranks, "check_region: out of range");
+    const auto* h = reinterpret_cast<const proxy::RegionHeader*>(recv_.data.get() + lanes_.Offset(round, sender));
+    return proxy::CheckHeader(*h, shape_, comm_id_, round, sender, true);
+  }
+  uint64_t Bell(int word) const {
+    Require(word >= 0 && word < proxy::kBellWords, "bell: no such word");
+    return __atomic_load_n(reinterpret_cast<const uint64_t*>(bell_.data.get()) + word, __ATOMIC_ACQUIRE);
+  }
+  void Ring(int word, uint64_t v) {
+    Require(word == proxy::kRung || word == proxy::kRead, "ring: the device writes rung and read only");
+    __atomic_store_n(reinterpret_cast<uint64_t*>(bell_.data.get()) + word, v, __ATOMIC_RELEASE);
+  }
+  uint64_t region_bytes() const { return lanes_.region_bytes; }
+  uint64_t header_bytes() const { return proxy::RegionHeaderBytes(shape_); }
+  std::string Error() const { return pump_ ? pump_->error() : std::string(); }
+
+ private:
+  int rank_;
+  uint32_t comm_id_;
+  double timeout_s_;
+  proxy::MoeShape shape_;
+  proxy::Lanes lanes_;
+  Aligned send_, recv_, bell_, bytes_;
+  std::shared_ptr<fabric::TransferEngine> engine_;
+  std::shared_ptr<fabric::MemoryRegion> send_mr_, recv_mr_;
+  proxy::NoPeersHere local_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::unique_ptr<proxy::Channel> channel_;
+  std::unique_ptr<Pump> pump_;
+};
+
+void RegisterProxyTesting(nb::module_& m) {
+  nb::module_ t = m.def_submodule("proxy_testing", "The GPU proxy path with a host thread playing the GPU");
+  t.attr("RUNG") = int(proxy::kRung);
+  t.attr("SENT") = int(proxy::kSent);
+  t.attr("ARRIVED") = int(proxy::kArrived);
+  t.attr("READ") = int(proxy::kRead);
+  t.attr("ERROR") = int(proxy::kError);
+  nb::class_<PumpRank>(t, "PumpRank")
+      .def(nb::init<const std::string&, int, int, int, int, int, uint32_t, double>(), nb::arg("provider"),
+           nb::arg("rank"), nb::arg("num_ranks"), nb::arg("lanes"), nb::arg("max_tokens"), nb::arg("hidden"),
+           nb::arg("comm_id"), nb::arg("timeout_s"))
+      .def_prop_ro("region_bytes", [](const PumpRank& r) { return r.region_bytes(); })
+      .def_prop_ro("header_bytes", [](const PumpRank& r) { return r.header_bytes(); })
+      .def("check_region", &PumpRank::CheckRegion)
+      .def("address", &PumpRank::Address)
+      .def("descriptor", &PumpRank::Descriptor)
+      .def("connect", &PumpRank::Connect, nb::call_guard<nb::gil_scoped_release>())
+      .def("start", &PumpRank::Start)
+      .def("close", &PumpRank::Close, nb::call_guard<nb::gil_scoped_release>())
+      .def("write_region", &PumpRank::WriteRegion)
+      .def("read_region", &PumpRank::ReadRegion)
+      .def("set_bytes", &PumpRank::SetBytes)
+      .def("bell", &PumpRank::Bell)
+      .def("ring", &PumpRank::Ring)
+      .def("error", &PumpRank::Error);
+}
+
+}  // namespace
+}  // namespace jax_moe::py
+
+JAX_MOE_PY_REGISTER(proxy_testing, jax_moe::py::RegisterProxyTesting);

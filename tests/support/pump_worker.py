@@ -1,0 +1,94 @@
+"""One rank of the GPU proxy path, with this process's main thread playing the GPU (tests/test_pump.py).
+
+usage: pump_worker.py DIR RANK N PROVIDER ROUNDS MODE
+MODE: ok (every round checked), kill (the last rank exits after round 2), forge (rank 1 announces more rows than a
+region holds in round 2). Ranks exchange engine addresses through files in DIR; each writes DIR/result.RANK (JSON).
+"""
+import json
+import os
+import struct
+import sys
+import time
+
+import numpy as np
+
+from jax_moe import _core
+
+MAGIC, COMM_ID, LANES, T, HIDDEN, TIMEOUT_S = 0x4A4D4F45, 7, 3, 16, 64, 5.0
+
+
+def region(pr, round_, sender, dest, rows=None):
+    """The region `sender` sends `dest` in `round_`: a real region header, then `rows` random bf16 rows."""
+    rng = np.random.default_rng([round_, sender, dest])
+    real = int(rng.integers(0, T + 1))
+    rows = real if rows is None else rows
+    head = struct.pack("<IIqiiqii", MAGIC, COMM_ID, round_, sender, 0, 0, rows, 0) + struct.pack("<i", rows)
+    head = head.ljust(pr.header_bytes, b"\0")
+    return head + rng.integers(0, 256, real * 2 * HIDDEN, dtype=np.uint8).tobytes()
+
+
+def wait(pr, word, value, what):
+    deadline = time.monotonic() + 3 * TIMEOUT_S
+    while pr.bell(word) < value:
+        if pr.bell(_core.proxy_testing.ERROR):
+            raise RuntimeError(pr.error())
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the pump never raised {what} {value}")
+        time.sleep(0.0002)
+
+
+def main():
+    d, rank, n, provider, rounds, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], \
+        int(sys.argv[5]), sys.argv[6]
+    pt = _core.proxy_testing
+    pr = pt.PumpRank(provider, rank, n, LANES, T, HIDDEN, COMM_ID, TIMEOUT_S)
+    with open(os.path.join(d, f"addr.{rank}.tmp"), "w") as f:
+        json.dump([pr.address().hex(), pr.descriptor().hex()], f)
+    os.rename(os.path.join(d, f"addr.{rank}.tmp"), os.path.join(d, f"addr.{rank}"))
+    peers = []
+    for q in range(n):
+        if q == rank:
+            continue
+        path = os.path.join(d, f"addr.{q}")
+        while not os.path.exists(path):
+            time.sleep(0.01)
+        a, desc = json.load(open(path))
+        peers.append((bytes.fromhex(a), bytes.fromhex(desc)))
+    pr.connect(peers)
+    pr.start()
+    result = {"rank": rank, "rounds": 0, "error": "", "bad_regions": []}
+    try:
+        for k in range(1, rounds + 1):
+            if mode == "kill" and rank == n - 1 and k == 3:
+                os._exit(0)  # dies without a word: the others must fail within the timeout, naming it
+            wait(pr, pt.SENT, k - LANES, "sent")  # the send lane of round k is free again
+            for p in range(n):
+                if p == rank:
+                    continue
+                forged = mode == "forge" and rank == 1 and k == 2
+                data = region(pr, k, rank, p, rows=T + 5 if forged else None)
+                pr.write_region(k, p, data)
+                pr.set_bytes(k, p, len(data))
+            pr.ring(pt.RUNG, k)
+            wait(pr, pt.ARRIVED, k, "arrived")
+            for s in range(n):
+                if s == rank:
+                    continue
+                problem = pr.check_region(k, s)  # what the recv kernel checks before it follows any count
+                if problem:
+                    result["bad_regions"].append(problem)
+                    continue
+                want = region(pr, k, s, rank)
+                if pr.read_region(k, s, len(want)) != want:
+                    raise AssertionError(f"round {k}: the region from rank {s} differs")
+            pr.ring(pt.READ, k)
+            result["rounds"] = k
+    except RuntimeError as e:
+        result["error"] = str(e)
+    with open(os.path.join(d, f"result.{rank}"), "w") as f:
+        json.dump(result, f)
+    pr.close()
+
+
+if __name__ == "__main__":
+    main()
