@@ -7,6 +7,7 @@ import sys
 SUITES = {
     "moe": "jax_moe.bench.moe",
     "fabric": "jax_moe.bench.fabric",
+    "pump": "jax_moe.bench.pump",
 }
 
 

@@ -11,10 +11,13 @@ import argparse
 import json
 import os
 import platform
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -131,6 +134,40 @@ def _run(provider: str, peers: int, sizes: list[int], warmup: int, iters: int, t
                     p.wait(10)
 
 
+def fi_pingpong_us(provider: str, size: int, iters: int = 2000, timeout: float = 60.0) -> Optional[float]:
+    """libfabric's own `fi_pingpong -e rdm` between two local processes: its usec/xfer at `size` bytes, or None
+    when the tool is missing or fails. The reference the engine's and the proxy's round trips are compared with."""
+    exe = shutil.which("fi_pingpong")
+    if exe is None:
+        return None
+    args = [exe, "-p", provider, "-e", "rdm", "-S", str(size), "-I", str(iters)]
+    port = str(_free_port())
+    server = subprocess.Popen(args + ["-B", port], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(0.3)
+        client = subprocess.run(args + ["-P", port, "127.0.0.1"], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.wait(10)
+    for line in client.stdout.splitlines():  # bytes #sent #ack total time MB/sec usec/xfer Mxfers/sec
+        fields = line.split()
+        if len(fields) == 8 and fields[0] == str(size):
+            try:
+                return float(fields[6])
+            except ValueError:
+                return None
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--worker"]:
         d, rank, peers, provider, sizes, warmup, iters = argv[1:8]
@@ -157,6 +194,10 @@ def main(argv: list[str]) -> int:
         for r in res:
             print(f"{provider:<9}{_fmt_size(r['size']):>10}{r['rounds']:>8}{r['p50_us']:>11.1f}{r['p99_us']:>11.1f}"
                   f"{r['gbps']:>8.2f}")
+        ref = fi_pingpong_us(provider, min(sizes))
+        all_results[f"{provider}_fi_pingpong_us"] = ref
+        print(f"{provider:<9}{_fmt_size(min(sizes)):>10}  fi_pingpong -e rdm (libfabric's own, same run): "
+              + (f"{ref:.1f} us/xfer" if ref is not None else "unavailable"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(all_results, f, indent=1)

@@ -61,13 +61,13 @@ bool Pump::Step(Link& link, State& st) {
     Store(link.bell + kSent, st.posted);
     moved = true;
   }
-  // Arrivals are only expected for rounds the device has rung itself: every rank runs the same program.
   std::vector<int32_t> missing;
-  while (st.flagged < rung && ch.Arrived(st.flagged + 1, &missing)) {
+  while (ch.Arrived(st.flagged + 1, &missing)) {
     Store(link.bell + kArrived, ++st.flagged);
     st.waiting_since = -1;
     moved = true;
   }
+  // A round is late only once the device rang it itself (every rank runs the same program): the clock starts then.
   if (st.flagged < rung) {
     const double now = Now();
     if (st.waiting_since < 0) st.waiting_since = now;

@@ -21,3 +21,19 @@ def test_fabric_bench_tcp(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (row,) = json.loads(out.read_text())["tcp"]
     assert row["size"] == 4096 and row["rounds"] == 5 and 0 < row["p50_us"] <= row["p99_us"]
+    ref = json.loads(out.read_text())["tcp_fi_pingpong_us"]  # libfabric's own figure, same run
+    assert ref is None or ref > 0
+
+
+@needs("tcp")
+def test_pump_bench_tcp(tmp_path):
+    """`python -m jax_moe.bench pump`: the proxy round trip, with fi_pingpong's figure beside it when installed."""
+    out = tmp_path / "pump.json"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "jax_moe.bench", "pump", "--providers", "tcp", "--warmup", "2",
+                        "--iters", "20", "--json", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    row = json.loads(out.read_text())["tcp"]
+    assert row["size"] == 64 and row["rounds"] == 20 and 0 < row["p50_us"] <= row["p99_us"]
+    assert row["fi_pingpong_us"] is None or row["fi_pingpong_us"] > 0
