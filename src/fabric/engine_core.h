@@ -101,6 +101,7 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   uint64_t BankedImm(uint32_t imm) const { return imms_.Banked(imm); }
   std::vector<PeerInfo> Peers() const;
   EngineStats Stats() const;
+  void SetProgressHook(std::function<bool()> hook);
 
  private:
   struct RegionEntry {
@@ -213,6 +214,8 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   std::atomic<int> active_waiters_{0};  // threads in Connect/WaitSends: keep the progress thread hot
   uint64_t errors_reported_ = 0;        // guarded by sends_mu_
   std::atomic<bool> stop_{false};
+  std::mutex hook_mu_;  // held while the hook runs, so that clearing it waits for a running call
+  std::function<bool()> hook_;
   std::atomic<bool> closed_{false};
   std::thread thread_;
 };

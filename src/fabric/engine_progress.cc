@@ -51,6 +51,10 @@ void EngineCore::ProgressLoop() {
       work |= DrainSubmissions();
       work |= PostPending();
       work |= PollAll();
+      {
+        std::lock_guard<std::mutex> lock(hook_mu_);
+        if (hook_) work |= hook_();
+      }
       if (!hello_resend_.empty()) ResendHellos();
     } catch (const std::exception& e) {
       JAX_MOE_LOG(kError, "progress thread: %s", e.what());
@@ -76,6 +80,11 @@ void EngineCore::ProgressLoop() {
                     [&] { return sq_nonempty_.load() || stop_.load(); });
     if (!busy) nap = std::min(nap * 2, std::chrono::microseconds(1000));
   }
+}
+
+void EngineCore::SetProgressHook(std::function<bool()> hook) {
+  std::lock_guard<std::mutex> lock(hook_mu_);
+  hook_ = std::move(hook);
 }
 
 bool EngineCore::DrainSubmissions() {

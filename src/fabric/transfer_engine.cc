@@ -74,6 +74,8 @@ void TransferEngine::WaitSends(double timeout_s) { core_->WaitSends(timeout_s); 
 
 bool TransferEngine::TryConsumeImm(uint32_t imm, uint64_t count) { return core_->TryConsumeImm(imm, count); }
 uint64_t TransferEngine::BankedImm(uint32_t imm) const { return core_->BankedImm(imm); }
+void TransferEngine::SetProgressHook(std::function<bool()> hook) { core_->SetProgressHook(std::move(hook)); }
+
 uint64_t TransferEngine::SendsInFlight() const {
   EngineStats s = core_->Stats();
   return s.writes_posted - s.writes_completed;

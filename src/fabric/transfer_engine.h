@@ -31,6 +31,7 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -139,6 +140,11 @@ class TransferEngine {
   bool TryConsumeImm(uint32_t imm, uint64_t count);
   uint64_t BankedImm(uint32_t imm) const;  // immediates `imm` arrived and not yet consumed
   uint64_t SendsInFlight() const;          // writes posted and not yet completed
+  // Runs `hook` on the progress thread at every pass (it returns whether it did work, which keeps the thread hot),
+  // so that a proxy posts and polls on the engine's own thread: no hand-off between threads on its data path. The
+  // hook may call Scatter, Write, Barrier, TryConsumeImm and SendsInFlight, never a waiting call. An empty hook
+  // clears it; after SetProgressHook returns, the previous hook is not running and never runs again.
+  void SetProgressHook(std::function<bool()> hook);
 
   std::vector<PeerInfo> Peers() const;
   EngineStats Stats() const;

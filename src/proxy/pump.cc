@@ -21,11 +21,20 @@ Pump::Pump(std::vector<Link> links, double timeout_s, std::function<std::string(
     : links_(std::move(links)), timeout_s_(timeout_s), name_(std::move(name)) {
   Require(timeout_s > 0, "Pump: timeout must be positive");
   for (const Link& l : links_) Require(l.channel && l.area && l.bell && l.bytes, "Pump: incomplete link");
-  thread_ = std::thread([this] { Loop(); });
+  states_.resize(links_.size());
+  fabric::TransferEngine* engine = links_.empty() ? nullptr : links_[0].channel->engine();
+  for (const Link& l : links_) engine = l.channel->engine() == engine ? engine : nullptr;
+  if (engine) {
+    hooked_ = engine;
+    engine->SetProgressHook([this] { return StepAll(); });
+  } else {
+    thread_ = std::thread([this] { Loop(); });
+  }
 }
 
 Pump::~Pump() {
   stop_.store(true);
+  if (hooked_) hooked_->SetProgressHook({});  // returns once no pass of ours runs any more
   if (thread_.joinable()) thread_.join();
 }
 
@@ -89,20 +98,24 @@ bool Pump::Step(Link& link, State& st) {
   return moved;
 }
 
-void Pump::Loop() {
-  std::vector<State> states(links_.size());
-  while (!stop_.load(std::memory_order_relaxed)) {
-    bool moved = false;
-    try {
-      for (size_t i = 0; i < links_.size(); ++i) {
-        std::lock_guard<std::mutex> lock(links_[i].channel->mu());
-        moved |= Step(links_[i], states[i]);
-      }
-    } catch (const std::exception& e) {
-      Stop(e.what());
+bool Pump::StepAll() {
+  if (stop_.load(std::memory_order_relaxed)) return false;
+  bool moved = false;
+  try {
+    for (size_t i = 0; i < links_.size(); ++i) {
+      std::lock_guard<std::mutex> lock(links_[i].channel->mu());
+      moved |= Step(links_[i], states_[i]);
     }
+  } catch (const std::exception& e) {
+    Stop(e.what());
+  }
+  return moved;
+}
+
+void Pump::Loop() {
+  while (!stop_.load(std::memory_order_relaxed)) {
     // Busy while rounds move; a short nap when idle keeps the core free between layers.
-    if (!moved) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    if (!StepAll()) std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
 }
 

@@ -1,7 +1,8 @@
-// The proxy loop of a device that cannot drive the NIC itself (a GPU): one host thread that watches the device's
-// doorbells, posts its regions to the ranks of other processes, counts their arrivals and raises the flags the device
-// waits on, and returns credits once the device has read a round. The thread posts and polls itself: nothing on the
-// data path is handed to another thread.
+// The proxy loop of a device that cannot drive the NIC itself (a GPU): it watches the device's doorbells, posts its
+// regions to the ranks of other processes, counts their arrivals and raises the flags the device waits on, and
+// returns credits once the device has read a round. It runs on the TransferEngine's progress thread (a progress hook)
+// when every link uses one engine, so one thread posts, polls the completion queue and serves the device: nothing on
+// the data path is handed to another thread. Otherwise it runs on a thread of its own.
 //
 // Control words live in memory both sides see: host-mapped pinned memory on a GPU, plain host memory when a host
 // thread plays the device (tests). Each word has one writer. Per direction of a rank (Bell):
@@ -44,7 +45,7 @@ class Pump {
     uint64_t* bell;                    // kBellWords words (see BellWord)
     const uint64_t* bytes;             // [K lanes][N]: bytes of a round's region for each rank, in its lane
   };
-  // `name(rank)` says where a rank runs, for errors. Starts the thread.
+  // `name(rank)` says where a rank runs, for errors. Starts serving at once.
   Pump(std::vector<Link> links, double timeout_s, std::function<std::string(int64_t)> name);
   ~Pump();
   Pump(const Pump&) = delete;
@@ -59,6 +60,7 @@ class Pump {
     double waiting_since = -1;  // when the device rang a round whose arrivals are still missing
   };
   void Loop();
+  bool StepAll();                    // one pass over every link; true when anything moved
   bool Step(Link& link, State& st);  // true when anything moved
   void Stop(const std::string& why);
 
@@ -67,6 +69,8 @@ class Pump {
   std::function<std::string(int64_t)> name_;
   mutable std::mutex error_mu_;
   std::string error_;
+  std::vector<State> states_;
+  fabric::TransferEngine* hooked_ = nullptr;  // the engine whose progress thread runs the pump, if any
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };
