@@ -23,3 +23,20 @@ def test_moe_bench_cpu_and_xla(tmp_path):
             s = r["stats"][half]
             assert 0 < s["p50"] <= s["p99"], (r["backend"], half, s)
     assert (tmp_path / "moe.png").stat().st_size > 0
+
+
+def test_model_bench_scales_with_the_bytes(tmp_path):
+    """`python -m jax_moe.bench model` (docs/scale.md): off-node bytes and latency grow with EP, one node is NVLink
+    only, and a combine with sender-side reduction never costs more than one row per (token, k)."""
+    out = tmp_path / "model.json"
+    p = subprocess.run([sys.executable, "-m", "jax_moe.bench", "model", "--fabric", "efa", "--json", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["ep"] for r in rows] == [8, 16, 32, 64, 128]
+    assert rows[0]["dispatch"]["bytes_off_node"] == 0 and rows[0]["dispatch"]["bytes_on_node"] > 0
+    for a, b in zip(rows, rows[1:]):
+        assert b["dispatch"]["bytes_off_node"] > a["dispatch"]["bytes_off_node"]
+        assert b["dispatch"]["total_us"] > a["dispatch"]["total_us"]
+    for r in rows:
+        assert r["combine_reduced"]["total_us"] <= r["combine"]["total_us"]

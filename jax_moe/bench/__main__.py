@@ -8,6 +8,7 @@ SUITES = {
     "moe": "jax_moe.bench.moe",
     "fabric": "jax_moe.bench.fabric",
     "pump": "jax_moe.bench.pump",
+    "model": "jax_moe.bench.model",
 }
 
 
