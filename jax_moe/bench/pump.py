@@ -32,17 +32,17 @@ def _spin(pr, word: int, value: int) -> None:
             raise RuntimeError(f"bench pump: {pr.error() or 'no progress'}")
 
 
-def _worker(d: str, rank: int, provider: str, size: int, warmup: int, iters: int) -> None:
+def _worker(d: str, rank: int, provider: str, size: int, warmup: int, iters: int, own_thread: bool) -> None:
     from jax_moe import _core
 
     pt = _core.proxy_testing
-    pr = pt.PumpRank(provider, rank, 2, LANES, T, HIDDEN, 1, WAIT)
+    pr = pt.PumpRank(provider, rank, 2, LANES, T, HIDDEN, 1, WAIT, busy_poll=True)  # a GPU's proxy spins
     size = min(size, pr.region_bytes)
     _publish(d, f"addr.{rank}", pr.address())
     _publish(d, f"desc.{rank}", pr.descriptor())
     other = 1 - rank
     pr.connect([(_fetch(d, f"addr.{other}"), _fetch(d, f"desc.{other}"))])
-    pr.start()
+    pr.start(own_thread=own_thread)
     payload = bytes(np.random.default_rng(rank).integers(0, 256, size, dtype=np.uint8))
     times = []
     for k in range(1, warmup + iters + 1):
@@ -69,10 +69,11 @@ def _worker(d: str, rank: int, provider: str, size: int, warmup: int, iters: int
     pr.close()
 
 
-def _run(provider: str, size: int, warmup: int, iters: int, timeout: float) -> dict:
+def _run(provider: str, size: int, warmup: int, iters: int, timeout: float, own_thread: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="jax_moe_bench_pump_") as d:
         cmd = [sys.executable, "-m", "jax_moe.bench.pump", "--worker", d]
-        procs = [subprocess.Popen(cmd + [str(r), provider, str(size), str(warmup), str(iters)]) for r in range(2)]
+        procs = [subprocess.Popen(cmd + [str(r), provider, str(size), str(warmup), str(iters), str(int(own_thread))])
+                 for r in range(2)]
         try:
             end = time.monotonic() + timeout
             while any(p.poll() is None for p in procs):
@@ -89,8 +90,8 @@ def _run(provider: str, size: int, warmup: int, iters: int, timeout: float) -> d
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--worker"]:
-        d, rank, provider, size, warmup, iters = argv[1:7]
-        _worker(d, int(rank), provider, int(size), int(warmup), int(iters))
+        d, rank, provider, size, warmup, iters, own_thread = argv[1:8]
+        _worker(d, int(rank), provider, int(size), int(warmup), int(iters), own_thread == "1")
         return 0
     ap = argparse.ArgumentParser(prog="python -m jax_moe.bench pump", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -99,17 +100,19 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--timeout", type=float, default=300.0, help="per provider, seconds")
+    ap.add_argument("--own-thread", action="store_true",
+                    help="run each pump on a thread of its own instead of the engine's progress thread")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     print(f"proxy round trip: ring -> pump -> remote pump -> remote 'GPU' -> back ({os.cpu_count()} CPUs)")
-    print(f"{'provider':<9}{'bytes':>7}{'rounds':>8}{'p50 us':>9}{'p99 us':>9}{'fi_pingpong us':>16}{'x':>7}")
+    print(f"{'provider':<9}{'bytes':>7}{'rounds':>8}{'p50 us':>9}{'p99 us':>9}{'fi_pingpong us':>16}{'x':>8}")
     out = {}
     for provider in args.providers.split(","):
-        res = _run(provider, args.size, args.warmup, args.iters, args.timeout)
+        res = _run(provider, args.size, args.warmup, args.iters, args.timeout, args.own_thread)
         ref = fi_pingpong_us(provider, res["size"])
         res["fi_pingpong_us"] = ref
         out[provider] = res
-        ratio = f"{res['p50_us'] / ref:7.1f}" if ref else f"{'-':>7}"
+        ratio = f"{res['p50_us'] / ref:8.1f}" if ref else f"{'-':>8}"
         print(f"{provider:<9}{res['size']:>7}{res['rounds']:>8}{res['p50_us']:>9.1f}{res['p99_us']:>9.1f}"
               f"{(f'{ref:.1f}' if ref is not None else 'n/a'):>16}{ratio}")
     if args.json:

@@ -96,7 +96,7 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   bool TryConsumeImm(uint32_t imm, uint64_t count) {
     CheckOpen();
     CheckImm(imm);
-    return imms_.Wait(imm, count, Deadline::After(0), nullptr);
+    return imms_.TryConsume(imm, count);
   }
   uint64_t BankedImm(uint32_t imm) const { return imms_.Banked(imm); }
   std::vector<PeerInfo> Peers() const;

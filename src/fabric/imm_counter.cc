@@ -52,6 +52,17 @@ bool ImmCounter::Wait(uint32_t imm, uint64_t count, const Deadline& deadline, st
   return true;
 }
 
+bool ImmCounter::TryConsume(uint32_t imm, uint64_t count) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (shutdown_) return false;
+  if (count == 0) return true;
+  auto it = entries_.find(imm);
+  if (it == entries_.end() || it->second.total < count) return false;
+  ConsumeLocked(it->second, count);
+  if (it->second.total == 0) entries_.erase(it);
+  return true;
+}
+
 bool ImmCounter::WaitFrom(uint32_t imm, const std::vector<uint32_t>& peers, uint64_t per_peer,
                           const Deadline& deadline, std::vector<uint32_t>* missing) {
   std::unique_lock<std::mutex> lock(mu_);

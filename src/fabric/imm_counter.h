@@ -44,6 +44,8 @@ class ImmCounter {
                 std::vector<uint32_t>* missing);
 
   uint64_t Banked(uint32_t imm) const;
+  // Takes `count` banked `imm`s if there are that many; never waits (no condition-variable round trip).
+  bool TryConsume(uint32_t imm, uint64_t count);
   // Wakes every waiter; later waits fail immediately.
   void Shutdown();
   // Wakes waiters so they re-check an external condition (e.g. a failed peer); counts unchanged.

@@ -11,20 +11,28 @@ namespace {
 uint64_t Load(const uint64_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
 void Store(uint64_t* word, uint64_t v) { __atomic_store_n(word, v, __ATOMIC_RELEASE); }
 
+constexpr uint64_t kTraceRounds = 1 << 16;
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 }  // namespace
 
-Pump::Pump(std::vector<Link> links, double timeout_s, std::function<std::string(int64_t)> name)
+Pump::Pump(std::vector<Link> links, double timeout_s, std::function<std::string(int64_t)> name, bool own_thread)
     : links_(std::move(links)), timeout_s_(timeout_s), name_(std::move(name)) {
   Require(timeout_s > 0, "Pump: timeout must be positive");
   for (const Link& l : links_) Require(l.channel && l.area && l.bell && l.bytes, "Pump: incomplete link");
   states_.resize(links_.size());
+  trace_.assign(kTraceRounds, {0, 0, 0});
   fabric::TransferEngine* engine = links_.empty() ? nullptr : links_[0].channel->engine();
   for (const Link& l : links_) engine = l.channel->engine() == engine ? engine : nullptr;
-  if (engine) {
+  if (engine && !own_thread) {
     hooked_ = engine;
     engine->SetProgressHook([this] { return StepAll(); });
   } else {
@@ -36,6 +44,24 @@ Pump::~Pump() {
   stop_.store(true);
   if (hooked_) hooked_->SetProgressHook({});  // returns once no pass of ours runs any more
   if (thread_.joinable()) thread_.join();
+}
+
+void Pump::Drain(double bound_s) {
+  const double end = Now() + bound_s;
+  while (Now() < end && error().empty()) {
+    bool drained = true;
+    for (size_t i = 0; i < links_.size() && drained; ++i) {
+      std::lock_guard<std::mutex> lock(links_[i].channel->mu());
+      drained = states_[i].posted == Load(links_[i].bell + kRung) && links_[i].channel->Drained();
+    }
+    if (drained) return;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+}
+
+std::vector<std::array<int64_t, 3>> Pump::Trace() const {
+  std::lock_guard<std::mutex> lock(links_[0].channel->mu());
+  return trace_;
 }
 
 std::string Pump::error() const {
@@ -59,9 +85,12 @@ bool Pump::Step(Link& link, State& st) {
   bool moved = false;
   const uint64_t rung = Load(link.bell + kRung);
   const Lanes& lanes = ch.lanes();
+  const bool traced = &link == &links_[0];
+  if (traced && rung > 0 && rung <= kTraceRounds && trace_[rung - 1][0] == 0) trace_[rung - 1][0] = NowNs();
   while (st.posted < rung &&
          ch.PostArea(st.posted + 1, *link.area, link.bytes + lanes.Lane(st.posted + 1) * lanes.num_ranks)) {
     ++st.posted;
+    if (traced && st.posted <= kTraceRounds) trace_[st.posted - 1][1] = NowNs();
     ch.NextSendRound();
     moved = true;
   }
@@ -73,6 +102,7 @@ bool Pump::Step(Link& link, State& st) {
   std::vector<int32_t> missing;
   while (ch.Arrived(st.flagged + 1, &missing)) {
     Store(link.bell + kArrived, ++st.flagged);
+    if (traced && st.flagged <= kTraceRounds) trace_[st.flagged - 1][2] = NowNs();
     st.waiting_since = -1;
     moved = true;
   }
@@ -98,18 +128,23 @@ bool Pump::Step(Link& link, State& st) {
   return moved;
 }
 
+// True while anything moved or a round of the device is in flight (rung and not yet posted or flagged, or read and
+// not yet credited): the engine's progress thread then stays hot instead of napping between passes.
 bool Pump::StepAll() {
   if (stop_.load(std::memory_order_relaxed)) return false;
-  bool moved = false;
+  bool busy = false;
   try {
     for (size_t i = 0; i < links_.size(); ++i) {
       std::lock_guard<std::mutex> lock(links_[i].channel->mu());
-      moved |= Step(links_[i], states_[i]);
+      busy |= Step(links_[i], states_[i]);
+      const State& st = states_[i];
+      const uint64_t rung = Load(links_[i].bell + kRung);
+      busy |= st.posted < rung || st.flagged < rung || st.released < Load(links_[i].bell + kRead);
     }
   } catch (const std::exception& e) {
     Stop(e.what());
   }
-  return moved;
+  return busy;
 }
 
 void Pump::Loop() {

@@ -13,6 +13,7 @@
 // Peers this device reaches itself (NVLink) are not the pump's: their channel entries are same-process ones whose
 // credits and arrivals the device handles (NoPeersHere).
 #pragma once
+#include <array>
 #include <atomic>
 #include <functional>
 #include <cstdint>
@@ -46,13 +47,20 @@ class Pump {
     const uint64_t* bytes;             // [K lanes][N]: bytes of a round's region for each rank, in its lane
   };
   // `name(rank)` says where a rank runs, for errors. Starts serving at once.
-  Pump(std::vector<Link> links, double timeout_s, std::function<std::string(int64_t)> name);
+  // own_thread: serve from a thread of its own even when one engine could host it (for comparison).
+  Pump(std::vector<Link> links, double timeout_s, std::function<std::string(int64_t)> name, bool own_thread = false);
   ~Pump();
   Pump(const Pump&) = delete;
   Pump& operator=(const Pump&) = delete;
 
+  // Waits (at most bound_s; not after an error) until every round the device rang is posted and every remote
+  // receiver gave credit for it: it was read there, so the engine may close without dropping a write in flight.
+  void Drain(double bound_s);
   // Empty while the pump runs; else why it stopped (every later round of the device must fail with it).
   std::string error() const;
+  // Per round of link 0, steady-clock ns: when the pump saw the ring, posted the round, and flagged its arrival
+  // (0 where it has not happened). For the benchmark's breakdown; read after the pump is idle.
+  std::vector<std::array<int64_t, 3>> Trace() const;
 
  private:
   struct State {
@@ -70,6 +78,7 @@ class Pump {
   mutable std::mutex error_mu_;
   std::string error_;
   std::vector<State> states_;
+  std::vector<std::array<int64_t, 3>> trace_;  // [round - 1]: seen, posted, arrived (link 0, first kTraceRounds)
   fabric::TransferEngine* hooked_ = nullptr;  // the engine whose progress thread runs the pump, if any
   std::atomic<bool> stop_{false};
   std::thread thread_;

@@ -60,7 +60,7 @@ class PumpRank {
  public:
   // The regions of a dispatch of `max_tokens` tokens of `hidden` bf16 channels, one expert per rank, top-1.
   PumpRank(const std::string& provider, int rank, int n, int lanes, int max_tokens, int hidden, uint32_t comm_id,
-           double timeout_s)
+           double timeout_s, bool busy_poll)
       : rank_(rank),
         comm_id_(comm_id),
         timeout_s_(timeout_s),
@@ -73,6 +73,7 @@ class PumpRank {
     Require(rank >= 0 && rank < n && lanes >= 2 && lanes <= proxy::kMaxLanes, "PumpRank: bad rank or lanes");
     fabric::EngineOptions options;
     options.provider = provider;
+    options.busy_poll = busy_poll;  // a GPU's proxy spins on its core; tests on 2 cores share them
     engine_ = std::make_shared<fabric::TransferEngine>(options);
     send_mr_ = engine_->Register(send_.data.get(), send_.size);
     recv_mr_ = engine_->Register(recv_.data.get(), recv_.size);
@@ -109,14 +110,15 @@ class PumpRank {
     }
     channel_->Connect(ids, std::move(regions));
   }
-  void Start() {
+  void Start(bool own_thread) {
     Require(!pump_, "PumpRank: started twice");
     Pump::Link link{channel_.get(), send_mr_.get(), reinterpret_cast<uint64_t*>(bell_.data.get()),
                     reinterpret_cast<const uint64_t*>(bytes_.data.get())};
     pump_ = std::make_unique<Pump>(std::vector<Pump::Link>{link}, timeout_s_,
-                                   [](int64_t r) { return "rank " + std::to_string(r); });
+                                   [](int64_t r) { return "rank " + std::to_string(r); }, own_thread);
   }
   void Close() {
+    if (pump_) pump_->Drain(timeout_s_ < 5 ? timeout_s_ : 5);
     pump_.reset();
     if (engine_) engine_->Close();
   }
@@ -152,6 +154,13 @@ class PumpRank {
   uint64_t region_bytes() const { return lanes_.region_bytes; }
   uint64_t header_bytes() const { return proxy::RegionHeaderBytes(shape_); }
   std::string Error() const { return pump_ ? pump_->error() : std::string(); }
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> Trace(int rounds) const {
+    std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
+    if (!pump_) return out;
+    auto t = pump_->Trace();
+    for (int i = 0; i < rounds && i < int(t.size()); ++i) out.emplace_back(t[i][0], t[i][1], t[i][2]);
+    return out;
+  }
 
  private:
   int rank_;
@@ -177,23 +186,24 @@ void RegisterProxyTesting(nb::module_& m) {
   t.attr("READ") = int(proxy::kRead);
   t.attr("ERROR") = int(proxy::kError);
   nb::class_<PumpRank>(t, "PumpRank")
-      .def(nb::init<const std::string&, int, int, int, int, int, uint32_t, double>(), nb::arg("provider"),
+      .def(nb::init<const std::string&, int, int, int, int, int, uint32_t, double, bool>(), nb::arg("provider"),
            nb::arg("rank"), nb::arg("num_ranks"), nb::arg("lanes"), nb::arg("max_tokens"), nb::arg("hidden"),
-           nb::arg("comm_id"), nb::arg("timeout_s"))
+           nb::arg("comm_id"), nb::arg("timeout_s"), nb::arg("busy_poll") = false)
       .def_prop_ro("region_bytes", [](const PumpRank& r) { return r.region_bytes(); })
       .def_prop_ro("header_bytes", [](const PumpRank& r) { return r.header_bytes(); })
       .def("check_region", &PumpRank::CheckRegion)
       .def("address", &PumpRank::Address)
       .def("descriptor", &PumpRank::Descriptor)
       .def("connect", &PumpRank::Connect, nb::call_guard<nb::gil_scoped_release>())
-      .def("start", &PumpRank::Start)
+      .def("start", &PumpRank::Start, nb::arg("own_thread") = false)
       .def("close", &PumpRank::Close, nb::call_guard<nb::gil_scoped_release>())
       .def("write_region", &PumpRank::WriteRegion)
       .def("read_region", &PumpRank::ReadRegion)
       .def("set_bytes", &PumpRank::SetBytes)
       .def("bell", &PumpRank::Bell)
       .def("ring", &PumpRank::Ring)
-      .def("error", &PumpRank::Error);
+      .def("error", &PumpRank::Error)
+      .def("trace", &PumpRank::Trace, "per round: (ring seen, posted, arrival flagged), steady-clock ns");
 }
 
 }  // namespace
