@@ -52,7 +52,11 @@ void Pump::Drain(double bound_s) {
     bool drained = true;
     for (size_t i = 0; i < links_.size() && drained; ++i) {
       std::lock_guard<std::mutex> lock(links_[i].channel->mu());
-      drained = states_[i].posted == Load(links_[i].bell + kRung) && links_[i].channel->Drained();
+      const Link& l = links_[i];
+      fabric::TransferEngine* engine = l.channel->engine();
+      // Ours posted and read by every receiver; theirs credited, and those credits on the wire.
+      drained = states_[i].posted == Load(l.bell + kRung) && l.channel->Drained() &&
+                states_[i].released == Load(l.bell + kRead) && (!engine || engine->SendsInFlight() == 0);
     }
     if (drained) return;
     std::this_thread::sleep_for(std::chrono::microseconds(100));

@@ -54,7 +54,8 @@ class Pump {
   Pump& operator=(const Pump&) = delete;
 
   // Waits (at most bound_s; not after an error) until every round the device rang is posted and every remote
-  // receiver gave credit for it: it was read there, so the engine may close without dropping a write in flight.
+  // receiver gave credit for it (it was read there), and every round the device read is credited and that credit
+  // sent: the engine may then close without dropping a write in flight.
   void Drain(double bound_s);
   // Empty while the pump runs; else why it stopped (every later round of the device must fail with it).
   std::string error() const;
