@@ -58,6 +58,14 @@ void CheckLaneFree(const CpuComm::Direction& d, const char* op, const std::strin
                                 "one");
 }
 
+// A handle presented a second time (kept across programs and received again): its lane may hold another round
+// by now, and a second credit would let a sender overwrite a lane nobody read.
+[[noreturn]] void ReceivedTwice(const CpuComm::Direction& d, uint64_t round, const char* op, const std::string& who) {
+  Throw(ErrorCode::kMisuse, std::string(op) + " on " + who + ": round " + std::to_string(round) + " of " + d.name +
+                                " was received already (a handle must reach its receive half exactly once); this "
+                                "Communicator cannot go on: build a new one");
+}
+
 void WriteTicket(int32_t* ticket, uint64_t round, uint32_t comm_id) {
   ticket[0] = int32_t(round & 0x7fffffff);
   ticket[1] = int32_t(comm_id);
@@ -129,8 +137,8 @@ void CpuComm::DispatchRecv(int64_t device, const int32_t* ticket, uint8_t* exper
   proxy_->Guard([&] {
     Rank& me = RankOf(device);
     Direction& d = me.dispatch;
-    d.channel->CountReceived();
     const uint64_t round = TicketRound(d, ticket, "dispatch_recv");
+    if (!d.channel->CountReceived(round)) ReceivedTwice(d, round, "dispatch_recv", Name(me, me.info.rank));
     Receive(me, d, round, [&] {
       const MoeShape& s = options_.shape;
       auto headers = CheckedHeaders(d, s, options_.comm_id, round, [&](int64_t p) { return Name(me, p); });
@@ -193,8 +201,8 @@ void CpuComm::CombineRecv(int64_t device, const int32_t* ticket, const float* to
   proxy_->Guard([&] {
     Rank& me = RankOf(device);
     Direction& d = me.combine;
-    d.channel->CountReceived();
     const uint64_t round = TicketRound(d, ticket, "combine_recv");
+    if (!d.channel->CountReceived(round)) ReceivedTwice(d, round, "combine_recv", Name(me, me.info.rank));
     Receive(me, d, round, [&] {
       const MoeShape& s = options_.shape;
       auto headers = CheckedHeaders(d, s, options_.comm_id, round, [&](int64_t p) { return Name(me, p); });

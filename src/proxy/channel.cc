@@ -30,6 +30,7 @@ Channel::Channel(const ChannelConfig& config, const std::vector<bool>& remote,
   Require(remote_ranks_.empty() || engine_, "Channel: ranks in other processes need a TransferEngine");
   Require(remote_ranks_.size() == size_t(n) || local_, "Channel: ranks of this process need the device side");
   queue_.resize(n);
+  last_received_.assign(k, 0);
   remote_credits_.assign(n * k, 0);
   remote_rounds_.assign(n * k, 0);
 }
@@ -43,6 +44,14 @@ void Channel::Connect(const std::vector<fabric::PeerId>& peers, std::vector<fabr
   remote_peers_ = peers;
   remote_regions_ = std::move(regions);
   peer_set_ = set;
+}
+
+bool Channel::CountReceived(uint64_t round) {
+  uint64_t& last = last_received_[lanes().Lane(round)];
+  if (round <= last) return false;
+  last = round;
+  ++received_;
+  return true;
 }
 
 bool Channel::CreditOk(int64_t peer, uint64_t round) {

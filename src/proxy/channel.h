@@ -76,7 +76,10 @@ class Channel {
   uint64_t send_round() const { return send_round_; }
   uint64_t received() const { return received_; }
   uint64_t NextSendRound() { return ++send_round_; }
-  void CountReceived() { ++received_; }
+  // Counts `round` as received; false (counting nothing) when it was received before: a handle presented twice,
+  // which would read a stale lane and credit it twice. Rounds of one lane are received in order (the next one can
+  // only be sent after the credit of this one), so the last received round per lane tells.
+  bool CountReceived(uint64_t round);
 
   // Sends `round`: rows[p] rows to rank p. `fill` writes every peer's region (header, then rows) at the addresses it
   // is given, without the lock: in place in a same-process receiver when it has credit, else in staging.
@@ -128,6 +131,7 @@ class Channel {
   std::vector<fabric::RegionDescriptor> remote_regions_;  // receive buffers of the remote ranks
   fabric::PeerSetId peer_set_ = 0;
   uint64_t send_round_ = 0, received_ = 0;
+  std::vector<uint64_t> last_received_;  // [K]: the last round received on each lane
   // Guarded by mu_:
   StagingPool staging_;
   std::vector<std::deque<Outgoing>> queue_;  // [N] regions waiting for the receiver's credit, in round order

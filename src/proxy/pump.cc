@@ -126,7 +126,7 @@ bool Pump::Step(Link& link, State& st) {
   const uint64_t read = Load(link.bell + kRead);
   while (st.released < read && st.released < st.flagged) {
     ch.Release(++st.released);
-    ch.CountReceived();
+    ch.CountReceived(st.released);
     moved = true;
   }
   return moved;
