@@ -44,9 +44,9 @@ class Proxy {
   void WaitRound(Channel& ch, uint64_t round, const std::string& who, const std::function<std::string(int64_t)>& name,
                  const std::function<std::string(int64_t)>& sender_failure);
 
-  // Waits (bounded by min(timeout, bound_s); not after a failure) until the channels hold nothing queued and every
-  // remote peer gave credit for every round sent: then no write of ours is owed or on its way, and our engine may
-  // close without leaving a peer's write hanging.
+  // Waits (bounded by min(timeout, bound_s)) until the channels hold nothing queued and every remote peer gave credit
+  // for every round sent: then no write of ours is owed or on its way, and our engine may close without leaving a
+  // peer's write hanging. After a failure it only waits for the queued regions (they may carry the error).
   void Drain(double bound_s);
 
  private:
