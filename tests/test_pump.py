@@ -65,3 +65,14 @@ def test_a_forged_row_count_is_caught_before_it_is_followed(tmp_path):
         assert res["rounds"] == 3 and res["error"] == "", res
         want = ["rank 1 announced 21 rows, more than the 16 a region holds"] if r != 1 else []
         assert res["bad_regions"] == want, res
+
+
+def test_a_device_announcing_more_than_a_region_stops_its_pump(tmp_path):
+    """Whatever a device announces, the pump writes nothing outside the receiver's region: it stops with an error
+    the device sees, and the other ranks time out naming that rank."""
+    if "tcp" not in AVAILABLE:
+        pytest.skip("libfabric provider tcp not built in")
+    results = run_ranks(tmp_path, 3, "tcp", rounds=3, mode="overflow")
+    assert results[1]["rounds"] == 1 and "more than a region holds" in results[1]["error"], results[1]
+    for r in (0, 2):
+        assert results[r]["rounds"] == 1 and "no data from rank 1 within 5 s (round 2)" in results[r]["error"], results

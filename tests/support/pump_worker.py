@@ -2,7 +2,7 @@
 
 usage: pump_worker.py DIR RANK N PROVIDER ROUNDS MODE
 MODE: ok (every round checked), kill (the last rank exits after round 2), forge (rank 1 announces more rows than a
-region holds in round 2). Ranks exchange engine addresses through files in DIR; each writes DIR/result.RANK (JSON).
+region holds in round 2), overflow (rank 1's device announces more bytes than a region holds in round 2). Ranks exchange engine addresses through files in DIR; each writes DIR/result.RANK (JSON).
 """
 import json
 import os
@@ -68,7 +68,8 @@ def main():
                 forged = mode == "forge" and rank == 1 and k == 2
                 data = region(pr, k, rank, p, rows=T + 5 if forged else None)
                 pr.write_region(k, p, data)
-                pr.set_bytes(k, p, len(data))
+                overflow = mode == "overflow" and rank == 1 and k == 2
+                pr.set_bytes(k, p, pr.region_bytes + 64 if overflow else len(data))
             pr.ring(pt.RUNG, k)
             wait(pr, pt.ARRIVED, k, "arrived")
             for s in range(n):
