@@ -109,8 +109,10 @@ std::vector<PeerInfo> EngineCore::Peers() const {
 
 EngineStats EngineCore::Stats() const {
   EngineStats s;
-  s.writes_posted = writes_posted_.load();
+  // Completed first: a write posted and completed between the two loads then only counts as in flight, never the
+  // other way round (SendsInFlight must not read 0 while a write is still out).
   s.writes_completed = writes_completed_.load();
+  s.writes_posted = writes_posted_.load();
   s.write_errors = write_errors_.load();
   for (const auto& c : imms_per_nic_) s.imms_per_nic.push_back(c.load());
   return s;

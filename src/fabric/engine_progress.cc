@@ -84,6 +84,7 @@ void EngineCore::ProgressLoop() {
 
 void EngineCore::SetProgressHook(std::function<bool()> hook) {
   std::lock_guard<std::mutex> lock(hook_mu_);
+  if (hook && hook_) Throw(ErrorCode::kInvalidArgument, "this TransferEngine runs a progress hook already");
   hook_ = std::move(hook);
 }
 

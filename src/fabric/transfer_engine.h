@@ -142,8 +142,10 @@ class TransferEngine {
   uint64_t SendsInFlight() const;          // writes posted and not yet completed
   // Runs `hook` on the progress thread at every pass (it returns whether it did work, which keeps the thread hot),
   // so that a proxy posts and polls on the engine's own thread: no hand-off between threads on its data path. The
-  // hook may call Scatter, Write, Barrier, TryConsumeImm and SendsInFlight, never a waiting call. An empty hook
-  // clears it; after SetProgressHook returns, the previous hook is not running and never runs again.
+  // hook may call Scatter and Barrier on peer sets, Write to a peer set's already verified regions, TryConsumeImm and
+  // SendsInFlight: never a call that waits, nor one that may verify a new descriptor (it would wait for this very
+  // thread). An engine runs one hook: installing a second throws kInvalidArgument. An empty hook clears it; after
+  // SetProgressHook returns, the previous hook is not running and never runs again.
   void SetProgressHook(std::function<bool()> hook);
 
   std::vector<PeerInfo> Peers() const;

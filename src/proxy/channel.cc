@@ -145,10 +145,14 @@ bool Channel::PostArea(uint64_t round, const fabric::MemoryRegion& area, const u
   if (remote_ranks_.empty()) return true;
   std::vector<uint64_t> offsets, lengths;
   for (int32_t p : remote_ranks_) {
-    Require(bytes[p] <= lanes().region_bytes, std::string(config_.name) + ": the device announced a region of " +
-                                                  std::to_string(bytes[p]) + " bytes, more than a region holds");
+    // Read once: the device may rewrite the word, and the length checked must be the length posted.
+    const uint64_t b = __atomic_load_n(bytes + p, __ATOMIC_RELAXED);
+    if (b > lanes().region_bytes) {
+      Throw(ErrorCode::kInvalidArgument, std::string(config_.name) + ": the device announced a region of " +
+                                             std::to_string(b) + " bytes, more than a region holds");
+    }
     offsets.push_back(lanes().Offset(round, p));
-    lengths.push_back(bytes[p]);
+    lengths.push_back(b);
   }
   Post(round, area, offsets, remote_ranks_, lengths);
   return true;

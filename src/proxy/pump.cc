@@ -33,11 +33,13 @@ Pump::Pump(std::vector<Link> links, double timeout_s, std::function<std::string(
   fabric::TransferEngine* engine = links_.empty() ? nullptr : links_[0].channel->engine();
   for (const Link& l : links_) engine = l.channel->engine() == engine ? engine : nullptr;
   if (engine && !own_thread) {
-    hooked_ = engine;
-    engine->SetProgressHook([this] { return StepAll(); });
-  } else {
-    thread_ = std::thread([this] { Loop(); });
+    try {
+      engine->SetProgressHook([this] { return StepAll(); });
+      hooked_ = engine;
+    } catch (const Error&) {  // the engine serves another pump already: this one runs beside it
+    }
   }
+  if (!hooked_) thread_ = std::thread([this] { Loop(); });
 }
 
 Pump::~Pump() {
@@ -47,6 +49,13 @@ Pump::~Pump() {
 }
 
 void Pump::Drain(double bound_s) {
+  try {
+    DrainOrThrow(bound_s);
+  } catch (const std::exception&) {  // a closed engine: nothing more will come (callers are destructors)
+  }
+}
+
+void Pump::DrainOrThrow(double bound_s) {
   const double end = Now() + bound_s;
   while (Now() < end && error().empty()) {
     bool drained = true;

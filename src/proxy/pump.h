@@ -69,6 +69,7 @@ class Pump {
     double waiting_since = -1;  // when the device rang a round whose arrivals are still missing
   };
   void Loop();
+  void DrainOrThrow(double bound_s);
   bool StepAll();                    // one pass over every link; true when anything moved
   bool Step(Link& link, State& st);  // true when anything moved
   void Stop(const std::string& why);
