@@ -221,8 +221,9 @@ uint64_t CpuComm::TicketRound(const Direction& d, const int32_t* ticket, const c
 void CpuComm::Receive(Rank& me, Direction& d, uint64_t round, const std::function<void()>& finish) {
   // A sender that failed (a bad expert id) says so in its region: the wait fails at once with its error, not at the
   // timeout (other ranks of its process may never send this round).
-  proxy_->WaitRound(*d.channel, round, Name(me, me.info.rank), [&](int64_t p) { return Name(me, p); },
-                    [&](int64_t p) { return SenderFailure(d, options_.shape, options_.comm_id, round, p, Name(me, p)); });
+  auto name = [&](int64_t p) { return Name(me, p); };
+  proxy_->WaitRound(*d.channel, round, name,
+                    [&](int64_t p) { return SenderFailure(d, options_.shape, options_.comm_id, round, p, name); });
   finish();
   d.channel->Release(round);
 }

@@ -40,7 +40,7 @@ std::vector<const RegionHeader*> CheckedHeaders(const CpuComm::Direction& d, con
     if (!problem.empty()) Throw(ErrorCode::kPeerFailed, std::string(d.name) + ": " + problem);
   }
   for (int64_t p = 0; p < n; ++p) {
-    std::string failed = SenderFailure(d, s, comm_id, round, p, name(p));
+    std::string failed = SenderFailure(d, s, comm_id, round, p, name);
     if (!failed.empty()) Throw(ErrorCode::kInvalidArgument, failed);
   }
   return headers;
@@ -49,11 +49,11 @@ std::vector<const RegionHeader*> CheckedHeaders(const CpuComm::Direction& d, con
 // Rounds run in program order and jax_moe.rounds refuses programs that open more than K at once, so K open rounds
 // at a send mean handles that were never received (kept across programs, or dropped): the send would need the
 // credit of a lane nobody will ever read.
-void CheckLaneFree(const CpuComm::Direction& d, const char* op, const std::string& who) {
+void CheckLaneFree(const CpuComm::Direction& d, const char* op, const std::function<std::string()>& who) {
   const int64_t lanes = d.channel->lanes().count;
   if (d.channel->send_round() - d.channel->received() < uint64_t(lanes)) return;
-  Throw(ErrorCode::kMisuse, std::string(op) + " on " + who + ": the " + std::to_string(lanes) +
-                                " previous rounds of this direction were sent and never received (a ticket must "
+  Throw(ErrorCode::kMisuse, std::string(op) + " on " + who() + ": the " + std::to_string(lanes) +
+                                " previous rounds of this direction were sent and never received (a handle must "
                                 "reach its receive half exactly once); this Communicator cannot go on: build a new "
                                 "one");
 }
@@ -74,11 +74,11 @@ void WriteTicket(int32_t* ticket, uint64_t round, uint32_t comm_id) {
 }  // namespace
 
 std::string SenderFailure(const CpuComm::Direction& d, const MoeShape& s, uint32_t comm_id, uint64_t round,
-                          int64_t sender, const std::string& who) {
+                          int64_t sender, const std::function<std::string(int64_t)>& name) {
   const auto* h = reinterpret_cast<const RegionHeader*>(d.inbox->Region(round, sender));
   if (!proxy::CheckHeader(*h, s, comm_id, round, int32_t(sender), d.has_counts).empty()) return "";
   if (h->error != int32_t(proxy::SenderError::kExpertOutOfRange)) return "";
-  return std::string(d.name) + ": " + who + " was given expert id " + std::to_string(h->error_value) +
+  return std::string(d.name) + ": " + name(sender) + " was given expert id " + std::to_string(h->error_value) +
          " in topk_idx, outside [0, " + std::to_string(s.num_experts) + ") and not -1";
 }
 
@@ -90,7 +90,7 @@ void CpuComm::DispatchSend(int64_t device, const uint8_t* x, const uint8_t* x_sc
     Require(tokens <= s.max_tokens, "dispatch_send: more tokens than max_tokens");
     proxy::ComputeSendPlan(topk_idx, tokens, s, &me.plan);
     Direction& d = me.dispatch;
-    CheckLaneFree(d, "dispatch_send", Name(me, me.info.rank));
+    CheckLaneFree(d, "dispatch_send", [&] { return Name(me, me.info.rank); });
     const uint64_t round = d.channel->NextSendRound();
     const int64_t r = s.experts_per_token, c = s.rows_per_peer();
     const uint64_t xb = s.x_bytes(), sb = s.scale_bytes();
@@ -169,7 +169,7 @@ void CpuComm::CombineSend(int64_t device, const uint8_t* expert_y, const int32_t
     Rank& me = RankOf(device);
     const MoeShape& s = options_.shape;
     Direction& d = me.combine;
-    CheckLaneFree(d, "combine_send", Name(me, me.info.rank));
+    CheckLaneFree(d, "combine_send", [&] { return Name(me, me.info.rank); });
     const uint64_t round = d.channel->NextSendRound();
     const int64_t n = s.num_ranks, c = s.rows_per_peer(), m = s.max_recv_rows();
     const uint64_t yb = uint64_t(s.hidden) * s.y_itemsize;

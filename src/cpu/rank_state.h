@@ -1,5 +1,6 @@
 // Internal state of CpuComm's ranks (only src/cpu/*.cc include this).
 #pragma once
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,8 +34,8 @@ struct CpuComm::Rank {
 };
 
 // The error a sender reported in its region of `round` (an expert id out of range on that rank), or "" when none or
-// the region is not (yet) a valid one; `who` names the sender.
+// the region is not (yet) a valid one; `name(sender)` names the sender (called only for an error).
 std::string SenderFailure(const CpuComm::Direction& d, const proxy::MoeShape& s, uint32_t comm_id, uint64_t round,
-                          int64_t sender, const std::string& who);
+                          int64_t sender, const std::function<std::string(int64_t)>& name);
 
 }  // namespace jax_moe::cpu

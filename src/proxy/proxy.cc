@@ -58,8 +58,7 @@ void Proxy::Guard(const std::function<void()>& fn) {
   }
 }
 
-void Proxy::WaitRound(Channel& ch, uint64_t round, const std::string& who,
-                      const std::function<std::string(int64_t)>& name,
+void Proxy::WaitRound(Channel& ch, uint64_t round, const std::function<std::string(int64_t)>& name,
                       const std::function<std::string(int64_t)>& sender_failure) {
   const Deadline deadline = Deadline::After(timeout_s_);
   const int64_t n = ch.lanes().num_ranks;
@@ -80,7 +79,7 @@ void Proxy::WaitRound(Channel& ch, uint64_t round, const std::string& who,
     if (deadline.Expired()) {
       std::string names;
       for (int32_t p : missing) names += (names.empty() ? "" : ", ") + name(p);
-      Throw(ErrorCode::kTimeout, std::string(ch.config().name) + " on " + who + ": no data from " + names +
+      Throw(ErrorCode::kTimeout, std::string(ch.config().name) + " on " + name(ch.config().rank) + ": no data from " + names +
                                      " within " + Format("%g", timeout_s_) + " s (round " + std::to_string(round) +
                                      "): its process may have died or stopped calling this Communicator");
     }

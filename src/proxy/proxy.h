@@ -41,7 +41,8 @@ class Proxy {
   // Blocks until every sender's region of `round` arrived in `ch`. Bounded by the timeout: the error names the ranks
   // that did not answer (`name(rank)`). `sender_failure(rank)` is the error a rank reported in a region that did
   // arrive (empty when none): it ends the wait at once, since other ranks of its process may never send this round.
-  void WaitRound(Channel& ch, uint64_t round, const std::string& who, const std::function<std::string(int64_t)>& name,
+  // Names are built only for an error: receives run on every round.
+  void WaitRound(Channel& ch, uint64_t round, const std::function<std::string(int64_t)>& name,
                  const std::function<std::string(int64_t)>& sender_failure);
 
   // Waits (bounded by min(timeout, bound_s)) until the channels hold nothing queued and every remote peer gave credit
