@@ -113,18 +113,20 @@ def _worker(d: str, rank: int, peers: int, provider: str, sizes: list[int], warm
     eng.close()
 
 
-def _run(provider: str, peers: int, sizes: list[int], warmup: int, iters: int, timeout: float) -> list[dict]:
+def run_workers(module: str, rank_args: list[list[str]], what: str, timeout: float):
+    """Runs `python -m module --worker DIR *rank_args[r]` for every rank in a fresh directory and returns the JSON the
+    workers publish there as "results". Any worker failing, or all of them running past `timeout`, raises; workers
+    still running are killed."""
     with tempfile.TemporaryDirectory(prefix="jax_moe_bench_") as d:
-        cmd = [sys.executable, "-m", "jax_moe.bench.fabric", "--worker", d]
+        cmd = [sys.executable, "-m", module, "--worker", d]
         procs = []
         try:
-            for rank in range(peers + 1):
-                procs.append(subprocess.Popen(cmd + [str(rank), str(peers), provider, ",".join(map(str, sizes)),
-                                                     str(warmup), str(iters)]))
+            for args in rank_args:
+                procs.append(subprocess.Popen(cmd + args))
             end = time.monotonic() + timeout
             while any(p.poll() is None for p in procs):
                 if time.monotonic() > end or any(p.poll() not in (None, 0) for p in procs):
-                    raise RuntimeError(f"bench fabric ({provider}): workers failed or exceeded {timeout}s")
+                    raise RuntimeError(f"{what}: workers failed or exceeded {timeout}s")
                 time.sleep(0.05)
             return json.loads(_fetch(d, "results", 1))
         finally:
@@ -132,6 +134,12 @@ def _run(provider: str, peers: int, sizes: list[int], warmup: int, iters: int, t
                 if p.poll() is None:
                     p.kill()
                     p.wait(10)
+
+
+def _run(provider: str, peers: int, sizes: list[int], warmup: int, iters: int, timeout: float) -> list[dict]:
+    args = [str(peers), provider, ",".join(map(str, sizes)), str(warmup), str(iters)]
+    return run_workers("jax_moe.bench.fabric", [[str(rank)] + args for rank in range(peers + 1)],
+                       f"bench fabric ({provider})", timeout)
 
 
 def fi_pingpong_us(provider: str, size: int, iters: int = 2000, timeout: float = 60.0) -> Optional[float]:

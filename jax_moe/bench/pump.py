@@ -11,14 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 
-from jax_moe.bench.fabric import _fetch, _publish, fi_pingpong_us
+from jax_moe.bench.fabric import _fetch, _publish, fi_pingpong_us, run_workers
 
 LANES, T, HIDDEN, WAIT = 4, 16, 64, 30.0
 
@@ -70,22 +68,8 @@ def _worker(d: str, rank: int, provider: str, size: int, warmup: int, iters: int
 
 
 def _run(provider: str, size: int, warmup: int, iters: int, timeout: float, own_thread: bool) -> dict:
-    with tempfile.TemporaryDirectory(prefix="jax_moe_bench_pump_") as d:
-        cmd = [sys.executable, "-m", "jax_moe.bench.pump", "--worker", d]
-        procs = [subprocess.Popen(cmd + [str(r), provider, str(size), str(warmup), str(iters), str(int(own_thread))])
-                 for r in range(2)]
-        try:
-            end = time.monotonic() + timeout
-            while any(p.poll() is None for p in procs):
-                if time.monotonic() > end or any(p.poll() not in (None, 0) for p in procs):
-                    raise RuntimeError(f"bench pump ({provider}): workers failed or exceeded {timeout}s")
-                time.sleep(0.05)
-            return json.loads(_fetch(d, "results", 1))
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(10)
+    args = [provider, str(size), str(warmup), str(iters), str(int(own_thread))]
+    return run_workers("jax_moe.bench.pump", [[str(r)] + args for r in range(2)], f"bench pump ({provider})", timeout)
 
 
 def main(argv: list[str]) -> int:

@@ -7,13 +7,13 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "common/error.h"
+#include "cpu/host_buffer.h"
 #include "fabric/transfer_engine.h"
 #include "proxy/channel.h"
 #include "proxy/pump.h"
@@ -26,19 +26,6 @@ namespace jax_moe::py {
 namespace {
 
 using proxy::Pump;
-
-struct Aligned {
-  explicit Aligned(uint64_t bytes) : size(bytes) {
-    data.reset(static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));
-    if (!data) Throw(ErrorCode::kInternal, "out of host memory");
-    std::memset(data.get(), 0, bytes);
-  }
-  struct Free {
-    void operator()(uint8_t* p) const { std::free(p); }
-  };
-  std::unique_ptr<uint8_t, Free> data;
-  uint64_t size;
-};
 
 proxy::MoeShape Shape(int n, int max_tokens, int hidden) {
   proxy::MoeShape s;
@@ -75,8 +62,8 @@ class PumpRank {
     options.provider = provider;
     options.busy_poll = busy_poll;  // a GPU's proxy spins on its core; tests on 2 cores share them
     engine_ = std::make_shared<fabric::TransferEngine>(options);
-    send_mr_ = engine_->Register(send_.data.get(), send_.size);
-    recv_mr_ = engine_->Register(recv_.data.get(), recv_.size);
+    send_mr_ = engine_->Register(send_.data(), send_.size());
+    recv_mr_ = engine_->Register(recv_.data(), recv_.size());
     proxy::ChannelConfig config;
     config.name = "dispatch";
     config.data_kind = proxy::ImmKind::kDispatchData;
@@ -112,8 +99,8 @@ class PumpRank {
   }
   void Start(bool own_thread) {
     Require(!pump_, "PumpRank: started twice");
-    Pump::Link link{channel_.get(), send_mr_.get(), reinterpret_cast<uint64_t*>(bell_.data.get()),
-                    reinterpret_cast<const uint64_t*>(bytes_.data.get())};
+    Pump::Link link{channel_.get(), send_mr_.get(), reinterpret_cast<uint64_t*>(bell_.data()),
+                    reinterpret_cast<const uint64_t*>(bytes_.data())};
     pump_ = std::make_unique<Pump>(std::vector<Pump::Link>{link}, timeout_s_,
                                    [](int64_t r) { return "rank " + std::to_string(r); }, own_thread);
   }
@@ -126,30 +113,30 @@ class PumpRank {
   // The device's side.
   void WriteRegion(uint64_t round, int peer, const nb::bytes& data) {
     Require(peer >= 0 && peer < lanes_.num_ranks && data.size() <= lanes_.region_bytes, "write_region: out of range");
-    std::memcpy(send_.data.get() + lanes_.Offset(round, peer), data.c_str(), data.size());
+    std::memcpy(send_.data() + lanes_.Offset(round, peer), data.c_str(), data.size());
   }
   nb::bytes ReadRegion(uint64_t round, int sender, uint64_t size) const {
     Require(sender >= 0 && sender < lanes_.num_ranks && size <= lanes_.region_bytes, "read_region: out of range");
-    return nb::bytes(reinterpret_cast<const char*>(recv_.data.get() + lanes_.Offset(round, sender)), size);
+    return nb::bytes(reinterpret_cast<const char*>(recv_.data() + lanes_.Offset(round, sender)), size);
   }
   void SetBytes(uint64_t round, int peer, uint64_t v) {
     Require(peer >= 0 && peer < lanes_.num_ranks, "set_bytes: out of range");
-    uint64_t* word = reinterpret_cast<uint64_t*>(bytes_.data.get()) + lanes_.Lane(round) * lanes_.num_ranks + peer;
+    uint64_t* word = reinterpret_cast<uint64_t*>(bytes_.data()) + lanes_.Lane(round) * lanes_.num_ranks + peer;
     __atomic_store_n(word, v, __ATOMIC_RELAXED);
   }
   // The checks a receiving device runs on a region before using it (proxy::CheckHeader): "" or what is wrong.
   std::string CheckRegion(uint64_t round, int sender) const {
     Require(sender >= 0 && sender < lanes_.num_ranks, "check_region: out of range");
-    const auto* h = reinterpret_cast<const proxy::RegionHeader*>(recv_.data.get() + lanes_.Offset(round, sender));
+    const auto* h = reinterpret_cast<const proxy::RegionHeader*>(recv_.data() + lanes_.Offset(round, sender));
     return proxy::CheckHeader(*h, shape_, comm_id_, round, sender, true);
   }
   uint64_t Bell(int word) const {
     Require(word >= 0 && word < proxy::kBellWords, "bell: no such word");
-    return __atomic_load_n(reinterpret_cast<const uint64_t*>(bell_.data.get()) + word, __ATOMIC_ACQUIRE);
+    return __atomic_load_n(reinterpret_cast<const uint64_t*>(bell_.data()) + word, __ATOMIC_ACQUIRE);
   }
   void Ring(int word, uint64_t v) {
     Require(word == proxy::kRung || word == proxy::kRead, "ring: the device writes rung and read only");
-    __atomic_store_n(reinterpret_cast<uint64_t*>(bell_.data.get()) + word, v, __ATOMIC_RELEASE);
+    __atomic_store_n(reinterpret_cast<uint64_t*>(bell_.data()) + word, v, __ATOMIC_RELEASE);
   }
   uint64_t region_bytes() const { return lanes_.region_bytes; }
   uint64_t header_bytes() const { return proxy::RegionHeaderBytes(shape_); }
@@ -168,7 +155,7 @@ class PumpRank {
   double timeout_s_;
   proxy::MoeShape shape_;
   proxy::Lanes lanes_;
-  Aligned send_, recv_, bell_, bytes_;
+  cpu::HostBuffer send_, recv_, bell_, bytes_;  // zeroed, 64-byte aligned
   std::shared_ptr<fabric::TransferEngine> engine_;
   std::shared_ptr<fabric::MemoryRegion> send_mr_, recv_mr_;
   proxy::NoPeersHere local_;
