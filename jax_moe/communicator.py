@@ -37,6 +37,16 @@ def _env_provider() -> str:
     return raw
 
 
+def _env_ranks_per_node() -> Optional[int]:
+    raw = os.environ.get("JAX_MOE_RANKS_PER_NODE")
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"JAX_MOE_RANKS_PER_NODE={raw!r}: must be a positive integer") from None
+
+
 def _mesh_platform(mesh: Any) -> str:
     devices = getattr(mesh, "devices", None)
     try:
@@ -55,11 +65,15 @@ class Communicator:
       $JAX_MOE_TIMEOUT_S, else 60 s).
     fabric_provider: TransferEngine provider between processes ("auto", "tcp", "shm", "efa", "verbs"; default
       $JAX_MOE_FABRIC_PROVIDER or "auto").
+    ranks_per_node: "cuda" only: treat consecutive groups of this many ranks as one node (default
+      $JAX_MOE_RANKS_PER_NODE, else one node per host). Ranks of one node reach each other over NVLink; ranks of
+      other nodes through the host proxy and the TransferEngine (fabric_provider). For tests on one host, and for
+      hosts whose GPUs are not NVLink-joined. It must divide the number of ranks.
     """
 
     def __init__(self, cfg: MoEConfig, mesh: Any, axis_name: Union[str, Sequence[str]] = "ep",
                  backend: str = "auto", *, timeout_s: Optional[float] = None,
-                 fabric_provider: Optional[str] = None):
+                 fabric_provider: Optional[str] = None, ranks_per_node: Optional[int] = None):
         if not isinstance(cfg, MoEConfig):
             raise TypeError(f"Communicator: cfg must be a jax_moe.MoEConfig, got {type(cfg).__name__}")
         names = getattr(mesh, "axis_names", None)
@@ -79,6 +93,11 @@ class Communicator:
         if fabric_provider is not None and fabric_provider not in FABRIC_PROVIDERS:
             raise ValueError(f"Communicator: fabric_provider must be one of {FABRIC_PROVIDERS}, "
                              f"got {fabric_provider!r}")
+        if ranks_per_node is None:
+            ranks_per_node = _env_ranks_per_node()
+        if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
+                                           or ranks_per_node < 1):
+            raise ValueError(f"Communicator: ranks_per_node must be a positive integer, got {ranks_per_node!r}")
         # One bound for every wait of every backend; the environment gives the default.
         self.timeout_s: float = float(timeout_s) if timeout_s is not None else _env_timeout()
         self.fabric_provider: str = fabric_provider if fabric_provider is not None else _env_provider()
@@ -90,6 +109,10 @@ class Communicator:
         if cfg.num_experts % self.num_ranks:
             raise ValueError(f"Communicator: num_experts ({cfg.num_experts}) is not divisible by the "
                              f"{self.num_ranks} ranks of axis {self.axis_name!r}")
+        if ranks_per_node is not None and self.num_ranks % ranks_per_node:
+            raise ValueError(f"Communicator: ranks_per_node={ranks_per_node} does not divide the {self.num_ranks} "
+                             f"ranks of axis {self.axis_name!r}")
+        self.ranks_per_node: Optional[int] = ranks_per_node
         self.num_local_experts = cfg.num_experts // self.num_ranks
         # The most rows one rank can send to one peer: each token reaches at most min(R, L) experts of a peer.
         self.rows_per_peer = rows_per_peer(cfg.max_tokens, cfg.experts_per_token, self.num_local_experts)

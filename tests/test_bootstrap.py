@@ -90,3 +90,26 @@ def test_one_process_needs_no_key_value_store(monkeypatch):
     table = bootstrap.RankTable((bootstrap.RankEntry(0, 0, 0, 0, 0), bootstrap.RankEntry(1, 0, 1, 0, 1)))
     peers = bootstrap.exchange(_options(), table, lambda: pytest.fail("no record within one process"))
     assert peers.records == {} and len(peers.hosts) == 1
+
+
+def test_nodes_are_hosts_unless_ranks_per_node_forces_blocks():
+    group = [bootstrap.RankEntry(i, process=p, local_id=0, group=0, rank=i) for i, p in enumerate([0, 0, 1, 2])]
+    hosts = ["a", "b", "a"]  # processes 0 and 2 share a host
+    assert bootstrap.nodes(group, hosts, None) == [0, 0, 1, 0]
+    assert bootstrap.nodes(group, hosts, 1) == [0, 1, 2, 3]
+    assert bootstrap.nodes(group, hosts, 2) == [0, 0, 1, 1]
+    assert _options().fingerprint() != _options(ranks_per_node=1).fingerprint()
+
+
+def test_ranks_per_node_must_divide_the_ranks(monkeypatch):
+    mesh = jax.make_mesh((4,), ("ep",), devices=jax.devices("cpu")[:4])
+    cfg = jax_moe.MoEConfig(8, 2, 128, 4)
+    assert jax_moe.Communicator(cfg, mesh, backend="xla", ranks_per_node=2).ranks_per_node == 2
+    for bad in (0, 3, -1, 1.5, True):
+        with pytest.raises(ValueError, match="ranks_per_node"):
+            jax_moe.Communicator(cfg, mesh, backend="xla", ranks_per_node=bad)
+    monkeypatch.setenv("JAX_MOE_RANKS_PER_NODE", "x")
+    with pytest.raises(ValueError, match="JAX_MOE_RANKS_PER_NODE"):
+        jax_moe.Communicator(cfg, mesh, backend="xla")
+    monkeypatch.setenv("JAX_MOE_RANKS_PER_NODE", "4")
+    assert jax_moe.Communicator(cfg, mesh, backend="xla").ranks_per_node == 4

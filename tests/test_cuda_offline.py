@@ -125,7 +125,7 @@ def test_halves_trace_to_the_cuda_handlers(fake, monkeypatch, fp8):
                                             ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")]
     assert all(c["comm_id"] == comm.id for c in calls)
     assert calls[0]["has_scale"] == fp8 and calls[1]["has_scale"] == fp8
-    assert calls[1]["shapes"] == [(m, 128), (m, 1) if fp8 else (1, 1), (comm.num_local_experts,), (m + 1,)]
+    assert calls[1]["shapes"] == [(m, 128), (m, 1) if fp8 else (1, 1), (comm.num_local_experts,), (m + 2 + comm.cfg.num_experts,)]
     assert calls[2]["channel"] == 0 and calls[3]["channel"] == 0 and calls[3]["shapes"] == [(t, 128)]
 
 
@@ -146,11 +146,16 @@ def test_gradients_trace_dispatch_backward_on_channel_1(fake):
 
 def test_cuda_peers_from_the_exchange(monkeypatch):
     """What backend "cuda" hands _core.cuda.connect: itself, local GPUs by ordinal, other processes' GPUs by the
-    IPC handle they published; a peer on another host is refused."""
-    connected = []
+    IPC handle they published, ranks of other nodes as remote (then their fabric endpoints are exchanged and
+    connected); a node spanning two hosts is refused."""
+    connected, fabric = [], []
     backend = object.__new__(CudaBackend)
     backend.native_id = 7
-    backend._mod = SimpleNamespace(connect=lambda *a: connected.append(a))
+    backend.options = SimpleNamespace(ranks_per_node=None, fabric_provider="tcp")
+    backend._mod = SimpleNamespace(
+        connect=lambda *a: connected.append(a),
+        open_fabric=lambda gid, ordinal, provider: (b"addr%d" % ordinal, [b"d0", b"d1", b"d2"]),
+        connect_fabric=lambda *a: fabric.append(a))
     backend.table = bootstrap.RankTable((bootstrap.RankEntry(10, 0, 0, 0, 0), bootstrap.RankEntry(11, 0, 1, 0, 1),
                                          bootstrap.RankEntry(12, 1, 0, 0, 2)))
     monkeypatch.setattr(jax, "process_index", lambda: 0)
@@ -160,7 +165,27 @@ def test_cuda_peers_from_the_exchange(monkeypatch):
         (7, 0, [(0, 0, -1, b""), (1, 1, 1, b""), (2, 2, -1, b"ipc")]),
         (7, 1, [(0, 1, 0, b""), (1, 0, -1, b""), (2, 2, -1, b"ipc")])]
     assert connected[0][2][2][4] == "process 1 on host here, GPU 0"
-    with pytest.raises(NotImplementedError, match="rank 2 is on host 'there'"):
+    assert fabric == []
+    # Rank 2 on another host: another node, reached through the proxy.
+    published = {1: {"12": ["aa", ["01", "02", "03"]]}}
+    stages = []
+    monkeypatch.setattr(bootstrap, "exchange",
+                        lambda options, table, record, stage="": stages.append((stage, record()))
+                        or bootstrap.Peers([], published))
+    monkeypatch.setattr(bootstrap, "barrier", lambda options, name: stages.append((name, None)))
+    connected.clear()
+    backend._connect(bootstrap.Peers(["here", "there"], {1: {"12": b"ipc".hex()}}))
+    assert [[spec[:2] for spec in specs] for _, _, specs in connected] == [[(0, 0), (1, 1), (2, 3)],
+                                                                           [(0, 1), (1, 0), (2, 3)]]
+    assert connected[0][2][2][4] == "process 1 on host there, GPU 0, node 1"
+    assert stages[0] == ("fabric", {"10": [b"addr0".hex(), ["6430", "6431", "6432"]],
+                                    "11": [b"addr1".hex(), ["6430", "6431", "6432"]]})
+    assert stages[1] == ("fabric", None)
+    assert fabric == [(7, 0, [(2, b"\xaa", [b"\x01", b"\x02", b"\x03"])]),
+                      (7, 1, [(2, b"\xaa", [b"\x01", b"\x02", b"\x03"])])]
+    # A forced node across two hosts cannot map its GPUs' memory.
+    backend.options = SimpleNamespace(ranks_per_node=3, fabric_provider="tcp")
+    with pytest.raises(ValueError, match="cannot map each other's memory"):
         backend._connect(bootstrap.Peers(["here", "there"], {1: {"12": b"ipc".hex()}}))
 
 

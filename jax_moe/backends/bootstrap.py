@@ -43,6 +43,7 @@ class NativeOptions:
     y_itemsize: int  # bytes per combined channel
     timeout_s: float
     fabric_provider: Optional[str]  # the TransferEngine's provider; None where the backend does not use it
+    ranks_per_node: Optional[int] = None  # forced node size ("cuda"); None: one node per host
 
     @classmethod
     def of(cls, comm: "Communicator", backend: str, uses_fabric: bool) -> "NativeOptions":
@@ -52,7 +53,8 @@ class NativeOptions:
                    experts_per_token=cfg.experts_per_token, hidden=cfg.hidden, max_tokens=cfg.max_tokens,
                    x_itemsize=np.dtype(cfg.dispatch_dtype).itemsize, num_scales=cfg.num_scales,
                    y_itemsize=np.dtype(cfg.combine_dtype).itemsize, timeout_s=float(comm.timeout_s),
-                   fabric_provider=comm.fabric_provider if uses_fabric else None)
+                   fabric_provider=comm.fabric_provider if uses_fabric else None,
+                   ranks_per_node=getattr(comm, "ranks_per_node", None))
 
     @property
     def timeout_ms(self) -> int:
@@ -134,8 +136,17 @@ def _client() -> Any:
     return getattr(getattr(_distributed, "global_state", None), "client", None)
 
 
-def _prefix(options: NativeOptions) -> str:
-    return f"jax_moe/{options.backend}/{options.comm_id}"
+def _prefix(options: NativeOptions, stage: str = "") -> str:
+    return f"jax_moe/{options.backend}/{options.comm_id}" + (f"/{stage}" if stage else "")
+
+
+def nodes(group: list[RankEntry], hosts: list[str], ranks_per_node: Optional[int]) -> list[int]:
+    """The node of each rank of an EP group (in rank order): consecutive blocks of `ranks_per_node` ranks when it is
+    given, else one node per host (numbered in order of first appearance)."""
+    if ranks_per_node is not None:
+        return [e.rank // ranks_per_node for e in group]
+    order: dict[str, int] = {}
+    return [order.setdefault(hosts[e.process] if e.process < len(hosts) else "", len(order)) for e in group]
 
 
 def _differences(theirs: str, mine: str) -> str:
@@ -148,9 +159,10 @@ def _differences(theirs: str, mine: str) -> str:
     return ", ".join(f"{k}: {a.get(k)!r} there, {b.get(k)!r} here" for k in keys) or "format"
 
 
-def exchange(options: NativeOptions, table: RankTable, record: Callable[[], Any]) -> Peers:
+def exchange(options: NativeOptions, table: RankTable, record: Callable[[], Any], stage: str = "") -> Peers:
     """Publishes this process's record (`record()`, JSON-able; only called when the mesh spans processes) and reads
-    every other process's. Raises at once if a peer built the Communicator with another config."""
+    every other process's. Raises at once if a peer built the Communicator with another config. `stage` names a
+    later exchange of the same Communicator (every process of the mesh takes part in each)."""
     me = jax.process_index()
     host = socket.gethostname()
     hosts = [""] * (max(table.processes + (me,)) + 1)
@@ -161,7 +173,7 @@ def exchange(options: NativeOptions, table: RankTable, record: Callable[[], Any]
     client = _client()
     if client is None:
         raise RuntimeError(f"backend {options.backend!r} over several processes needs jax.distributed.initialize()")
-    prefix, mine = _prefix(options), options.fingerprint()
+    prefix, mine = _prefix(options, stage), options.fingerprint()
     client.key_value_set_bytes(f"{prefix}/{me}", json.dumps({"config": mine, "host": host,
                                                              "record": record()}).encode())
     records = {}

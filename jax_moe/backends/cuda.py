@@ -6,6 +6,11 @@ of its (t, k) entries, the counts and epoch flags, plus the combine area of max_
 other's buffers (peer access when one process drives several GPUs, CUDA IPC handles exchanged through
 jax.distributed (jax_moe.backends.bootstrap) when each GPU has its own process) and synchronise with epoch flags in
 peer memory: no host round trip per call. Rows land bit-exactly in the layout of the reference backend "xla".
+
+Ranks on other nodes (other hosts, or other blocks of `ranks_per_node`) are reached through the host proxy: the send
+kernels pack their regions into pinned host memory mapped into the GPU and ring a bell; a proxy thread per GPU (the
+TransferEngine's progress thread) posts them with immediates, counts the arrivals and raises the flag the receive
+kernels wait on (src/cuda/device_fabric.h). One group may mix both kinds of peer.
 docs/cuda.md has the protocol; src/kernels holds the kernels and src/ffi/cuda the handlers.
 """
 from __future__ import annotations
@@ -24,7 +29,7 @@ from jax_moe.backends import bootstrap
 from jax_moe.backends.native import NativeBackend
 from jax_moe.contract import valid_entries
 
-_PEER_SELF, _PEER_LOCAL, _PEER_IPC = 0, 1, 2  # peer kinds of _core.cuda.connect
+_PEER_SELF, _PEER_LOCAL, _PEER_IPC, _PEER_REMOTE = 0, 1, 2, 3  # peer kinds of _core.cuda.connect
 
 
 def command_buffers() -> bool:
@@ -59,7 +64,9 @@ class CudaDispatchHandle(NamedTuple):
 
 
 class CudaRoute(NamedTuple):
-    origin: jax.Array  # int32 [M + 1]: source rank * max_tokens * R + t * R + k of every expert_x row; [M] = rows
+    # int32 [M + 2 + E]: source rank * max_tokens * R + t * R + k of every expert_x row (t * R + k: the token's slot in
+    # the sender's region for a remote sender); [M] = rows; then the row offsets of the (expert, sender) blocks
+    origin: jax.Array
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["ticket", "expert_y"], meta_fields=["channel"])
@@ -76,6 +83,7 @@ class CudaBackend(NativeBackend):
     platforms = ("gpu", "cuda")
     ffi_platform = "CUDA"
     rounds_in_flight = 1  # one buffer per direction and channel: a send waits (on the stream) for the last receive
+    uses_fabric = True  # ranks on other nodes
     # The combine inside dispatch's gradient: "cuda" (channel 1 of the kernels) or "reference" (the "xla" backend's
     # per-entry path). JAX_MOE_CUDA_BACKWARD_COMBINE overrides.
     backward_combine = os.environ.get("JAX_MOE_CUDA_BACKWARD_COMBINE", "cuda")
@@ -123,26 +131,68 @@ class CudaBackend(NativeBackend):
 
     def _connect(self, peers: bootstrap.Peers) -> None:
         me, host = jax.process_index(), socket.gethostname()
+        fabric: list[tuple[bootstrap.RankEntry, list[bootstrap.RankEntry]]] = []  # local devices, their remote ranks
+        any_remote = False
         for group in self.table.groups():
+            nodes = bootstrap.nodes(group, peers.hosts, self.options.ranks_per_node)
+            any_remote |= len(set(nodes)) > 1
             for d in group:
                 if d.process != me:
                     continue
-                specs = []
+                specs, remote = [], []
                 for q, p in enumerate(group):
                     peer_host = peers.hosts[p.process] or host
                     where = f"process {p.process} on host {peer_host}, GPU {p.local_id}"  # for errors
-                    if p.device_id == d.device_id:
+                    where += f", node {nodes[q]}" if len(set(nodes)) > 1 else ""
+                    if nodes[q] != nodes[d.rank]:
+                        specs.append((q, _PEER_REMOTE, -1, b"", where))
+                        remote.append(p)
+                    elif p.device_id == d.device_id:
                         specs.append((q, _PEER_SELF, -1, b"", where))
                     elif p.process == me:
                         specs.append((q, _PEER_LOCAL, p.local_id, b"", where))
                     else:
                         if peer_host != host:
-                            raise NotImplementedError(
-                                f"backend 'cuda': rank {q} is on host {peer_host!r}, not {host!r}; ranks on other "
-                                "nodes (through the host proxy) are not supported yet")
+                            raise ValueError(
+                                f"backend 'cuda': ranks {d.rank} (host {host!r}) and {q} (host {peer_host!r}) are in "
+                                f"one node (ranks_per_node={self.options.ranks_per_node}), but GPUs of different "
+                                "hosts cannot map each other's memory: choose a ranks_per_node that keeps a node on "
+                                "one host, or leave it unset")
                         ipc = bytes.fromhex(peers.records[p.process][str(p.device_id)])
                         specs.append((q, _PEER_IPC, -1, ipc, where))
                 self._mod.connect(self.native_id, d.local_id, specs)
+                if remote:
+                    fabric.append((d, remote))
+        if any_remote:  # every process takes part, with or without remote ranks of its own
+            self._connect_fabric(fabric)
+
+    def _connect_fabric(self, fabric: list[tuple[bootstrap.RankEntry, list[bootstrap.RankEntry]]]) -> None:
+        """Opens the engine, areas and proxy of each local device with remote ranks, exchanges their endpoints and
+        connects them."""
+        mine: dict[str, Any] = {}
+        for d, _ in fabric:
+            address, areas = self._mod.open_fabric(self.native_id, d.local_id, self.options.fabric_provider)
+            mine[str(d.device_id)] = [address.hex(), [a.hex() for a in areas]]
+        records = dict(bootstrap.exchange(self.options, self.table, lambda: mine, stage="fabric").records)
+        records[jax.process_index()] = mine
+        for d, remote in fabric:
+            endpoints = []
+            for p in remote:
+                address, areas = records[p.process][str(p.device_id)]
+                endpoints.append((p.rank, bytes.fromhex(address), [bytes.fromhex(a) for a in areas]))
+            self._mod.connect_fabric(self.native_id, d.local_id, endpoints)
+        if len(self.table.processes) > 1:
+            bootstrap.barrier(self.options, "fabric")  # no region is posted before every peer is connected
+
+    def fabric_info(self) -> dict[int, dict[str, Any]]:
+        """Per local GPU ordinal with ranks on other nodes: the provider, where the areas live and their bytes."""
+        return {d.local_id: dict(info) for d in self._local()
+                for info in [self._mod.fabric_info(self.native_id, d.local_id)] if info}
+
+    def fabric_trace(self, rounds: int) -> dict[int, list[tuple[int, int, int]]]:
+        """Per local GPU ordinal: for the first `rounds` dispatch rounds, when its proxy saw the bell, posted, and
+        flagged the arrival (steady-clock ns). For the benchmark's breakdown."""
+        return {d.local_id: list(self._mod.fabric_trace(self.native_id, d.local_id, rounds)) for d in self._local()}
 
     @classmethod
     def _free(cls, native_id: int) -> None:
@@ -150,8 +200,10 @@ class CudaBackend(NativeBackend):
 
     @property
     def bytes_allocated(self) -> int:
-        """Bytes of this Communicator's buffers on this process's GPUs (`buffer_bytes` per GPU)."""
-        return buffer_bytes(self.cfg, self.options.num_ranks) * len(self._local())
+        """Bytes of this Communicator's buffers on this process's GPUs (`buffer_bytes` per GPU), plus the pinned host
+        areas of its ranks on other nodes."""
+        areas = sum(int(info["bytes"]) for info in self.fabric_info().values())
+        return buffer_bytes(self.cfg, self.options.num_ranks) * len(self._local()) + areas
 
     def errors(self) -> list[str]:
         """Reads and clears the error words of this process's devices (call after the results are ready). A timeout
@@ -171,7 +223,7 @@ class CudaBackend(NativeBackend):
         results = (jax.ShapeDtypeStruct((m, cfg.hidden), cfg.dispatch_dtype),
                    jax.ShapeDtypeStruct((m, cfg.num_scales) if fp8 else (1, 1), jnp.float32),
                    jax.ShapeDtypeStruct((self.comm.num_local_experts,), jnp.int32),
-                   jax.ShapeDtypeStruct((m + 1,), jnp.int32))
+                   jax.ShapeDtypeStruct((m + 2 + cfg.num_experts,), jnp.int32))
         x, scale, counts, origin = self._call("dispatch_recv", results, handle.ticket, handle.x, handle.x_scale,
                                               has_scale=fp8)
         return x, (scale if fp8 else None), counts, CudaRoute(origin)

@@ -24,9 +24,11 @@ std::mutex& RegistryMutex() {
   static std::mutex mu;
   return mu;
 }
+// Never destroyed: Communicators left at exit must not be torn down by static destructors (their proxies' engines
+// after libfabric may have finalized); the Python module's exit hook calls DestroyAllComms before that.
 std::map<int64_t, LocalDevices>& Registry() {
-  static std::map<int64_t, LocalDevices> groups;
-  return groups;
+  static auto* groups = new std::map<int64_t, LocalDevices>();
+  return *groups;
 }
 
 std::shared_ptr<DeviceComm> Lookup(int64_t id, int ordinal) {
@@ -98,6 +100,7 @@ void CreateComm(int64_t id, const MoeShape& shape, const std::vector<std::pair<i
     a.rank = rank;
     a.lay = MakeLayout(a.s);
     a.timeout_ns = timeout_ns;
+    dev->timeout_s = double(timeout_ns) * 1e-9;
     a.trace = trace != nullptr && trace[0] == '1';
     Check(cudaDeviceGetAttribute(&a.num_sms, cudaDevAttrMultiProcessorCount, ordinal), "cudaDeviceGetAttribute");
     void* base = nullptr;
@@ -139,6 +142,7 @@ void ConnectComm(int64_t id, int ordinal, const std::vector<PeerSpec>& peers) {
   DeviceScope scope(ordinal);
   std::vector<uint8_t*> table(a.s.num_ranks, nullptr);
   dev->names.assign(a.s.num_ranks, "");
+  dev->remote.assign(a.s.num_ranks, false);
   for (int i = 0; i < a.s.num_ranks; ++i) {
     const PeerSpec& p = peers[i];
     Require(p.rank == i, "jax_moe cuda: peers must be listed in rank order");
@@ -173,10 +177,39 @@ void ConnectComm(int64_t id, int ordinal, const std::vector<PeerSpec>& peers) {
         table[i] = static_cast<uint8_t*>(mapped);
         break;
       }
+      case PeerKind::kRemote:
+        Require(i != a.rank, "jax_moe cuda: this rank cannot be remote");
+        dev->remote[i] = true;  // no pointer: the kernels never address its buffer
+        break;
+      default:
+        Throw(ErrorCode::kInvalidArgument, "jax_moe cuda: unknown peer kind");
     }
   }
   Check(cudaMemcpy(a.base + a.lay.peers, table.data(), sizeof(uint8_t*) * table.size(), cudaMemcpyHostToDevice),
         "cudaMemcpy(peers)");
+  bool any_remote = false;
+  for (bool r : dev->remote) any_remote |= r;
+  dev->connected = !any_remote;  // else once its fabric is connected
+}
+
+std::pair<std::string, std::vector<std::string>> OpenFabric(int64_t id, int ordinal, const std::string& provider) {
+  auto dev = MustFind(id, ordinal);
+  Require(!dev->fabric, "jax_moe cuda: the fabric of a device is opened once");
+  Require(!dev->remote.empty(), "jax_moe cuda: connect the device before opening its fabric");
+  DeviceScope scope(ordinal);
+  dev->fabric = std::make_unique<DeviceFabric>(dev->args.s, dev->args.rank, static_cast<uint32_t>(id), dev->remote,
+                                               provider, dev->timeout_s);
+  return {dev->fabric->Address(), dev->fabric->Descriptors()};
+}
+
+void ConnectFabric(int64_t id, int ordinal, const std::vector<RemoteEndpoint>& peers) {
+  auto dev = MustFind(id, ordinal);
+  Require(dev->fabric != nullptr, "jax_moe cuda: open the device's fabric before connecting it");
+  std::vector<std::string> names = dev->names;
+  dev->fabric->Connect(peers, [names](int64_t r) {
+    return r >= 0 && r < int64_t(names.size()) ? names[r] : "rank " + std::to_string(r);
+  });
+  dev->fabric->Fill(dev->args);
   dev->connected = true;
 }
 
@@ -202,6 +235,7 @@ void AwaitPeerAcks(const DeviceComm& dev, std::chrono::steady_clock::time_point 
     }
     int missing = -1;
     for (int p = 0; p < a.s.num_ranks && missing < 0; ++p) {
+      if (p < int(dev.remote.size()) && dev.remote[p]) continue;  // its proxy's credits: the fabric drains them
       if (flags[size_t(kDispatchAck) * a.s.num_ranks + p] < local.epoch[kDispatchSend]) missing = p;
       for (int ch = 0; ch < kCombineChannels; ++ch)
         if (flags[size_t(kCombineAck + 2 * ch) * a.s.num_ranks + p] < local.epoch[kCombineSend + 2 * ch]) missing = p;
@@ -244,8 +278,18 @@ void DestroyComm(int64_t id) {
   }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(bound_ns);
   for (const auto& [ordinal, dev] : doomed) AwaitPeerAcks(*dev, deadline);
+  for (const auto& [ordinal, dev] : doomed) dev->fabric.reset();  // drains its credits (bounded), then closes
   cudaSetDevice(previous);
   doomed.clear();
+}
+
+void DestroyAllComms() {
+  std::vector<int64_t> ids;
+  {
+    std::lock_guard<std::mutex> lock(RegistryMutex());
+    for (const auto& [id, devices] : Registry()) ids.push_back(id);
+  }
+  for (int64_t id : ids) DestroyComm(id);
 }
 
 std::shared_ptr<const DeviceComm> FindDevice(int64_t id, int ordinal) { return Lookup(id, ordinal); }

@@ -10,12 +10,14 @@
 #include <utility>
 #include <vector>
 
+#include "cuda/device_fabric.h"
 #include "kernels/moe_layout.h"
 
 namespace jax_moe::cuda {
 
-// How a device reaches one peer's buffer.
-enum class PeerKind { kSelf = 0, kLocalDevice = 1, kIpc = 2 };
+// How a device reaches one peer's buffer. kRemote: not at all; the peer is on another node, reached through the host
+// proxy (cuda/device_fabric.h).
+enum class PeerKind { kSelf = 0, kLocalDevice = 1, kIpc = 2, kRemote = 3 };
 
 struct PeerSpec {
   int rank = 0;
@@ -49,6 +51,9 @@ struct DeviceComm {
   std::vector<const unsigned long long*> comm_timeouts;  // the timeout words of every local device of the Communicator
   std::vector<void*> ipc_mapped;    // peers' buffers opened through IPC (closed on destruction)
   std::vector<std::string> names;   // [N] "rank r (process p on host h, GPU g)", for error messages
+  std::vector<bool> remote;         // [N] ranks on other nodes
+  std::unique_ptr<DeviceFabric> fabric;  // when some rank is remote: areas, engine and pump (set up before launches)
+  double timeout_s = 0;
   bool connected = false;
   // Rounds launched and not yet received, per round stream (dispatch, combine channel 0, 1); the handlers of one
   // device run in program order on one host thread at a time.
@@ -64,6 +69,13 @@ std::string ExportBuffer(int64_t id, int ordinal);
 // Maps every peer's buffer (peers[i].rank == i) into this device's peer table; enables peer access where needed.
 void ConnectComm(int64_t id, int ordinal, const std::vector<PeerSpec>& peers);
 void DestroyComm(int64_t id);
+// Every Communicator of the process (at exit).
+void DestroyAllComms();
+// For a device with remote ranks (after ConnectComm): its engine, areas and pump on `provider`. Returns the engine's
+// address and the receive areas' descriptors, for the remote ranks' processes.
+std::pair<std::string, std::vector<std::string>> OpenFabric(int64_t id, int ordinal, const std::string& provider);
+// Connects the device to its remote ranks and starts its pump; then the device may launch.
+void ConnectFabric(int64_t id, int ordinal, const std::vector<RemoteEndpoint>& peers);
 
 // The handlers' view. Null when unknown; the shared_ptr keeps the Communicator alive during a launch.
 std::shared_ptr<const DeviceComm> FindDevice(int64_t id, int ordinal);

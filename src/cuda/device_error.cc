@@ -47,6 +47,13 @@ DeviceReport Report(const DeviceComm& dev, unsigned long long word) {
               "jax_moe cuda: " + Name(dev, detail) +
                   " sent token counts or lists that do not fit this Communicator's buffers (its data was dropped); "
                   "results of that call are incomplete"};
+    case kProxyFailed: {
+      const std::string why = dev.fabric ? dev.fabric->Error() : std::string();
+      return {true, ErrorCode::kPeerFailed,
+              "jax_moe cuda: the host proxy of " + Name(dev, dev.args.rank) + " stopped" +
+                  (why.empty() ? std::string() : ": " + why) +
+                  "; this Communicator cannot go on: build a new Communicator"};
+    }
     default:
       return {true, ErrorCode::kInternal, "jax_moe cuda: device error " + std::to_string(kind)};
   }
@@ -77,6 +84,17 @@ DeviceReport StickyError(const DeviceComm& dev) {
     if (word != 0) return Report(dev, word);
   }
   return {};
+}
+
+DeviceReport ProxyError(const DeviceComm& dev) {
+  if (!dev.fabric) return {};
+  const std::string why = dev.fabric->Error();
+  if (why.empty()) return {};
+  // A late peer is a timeout, as on NVLink; anything else (a peer gone, bad data) means the peer failed.
+  const bool late = dev.fabric->ErrorCodeOf() == ErrorCode::kTimeout;
+  return {true, late ? ErrorCode::kTimeout : ErrorCode::kPeerFailed,
+          "jax_moe cuda: the host proxy of " + Name(dev, dev.args.rank) + " stopped: " + why +
+              "; this Communicator cannot go on: build a new Communicator"};
 }
 
 }  // namespace jax_moe::cuda

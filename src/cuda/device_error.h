@@ -22,5 +22,7 @@ struct DeviceReport {
 DeviceReport TakeError(const DeviceComm& dev);
 // The timeout that ended the Communicator on any local device, if any; clears nothing.
 DeviceReport StickyError(const DeviceComm& dev);
+// Why the host proxy of the device's remote ranks stopped, if it did (every later call fails with it).
+DeviceReport ProxyError(const DeviceComm& dev);
 
 }  // namespace jax_moe::cuda

@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 
 #include "kernels/copy.cuh"
+#include "kernels/fabric_kernels.h"
 #include "kernels/grid.h"
 #include "kernels/moe_kernels.h"
 #include "kernels/sync.cuh"
@@ -14,16 +15,44 @@ constexpr int kRecvThreads = 128;  // combine_recv: one thread per 16-byte outpu
 
 __global__ void __launch_bounds__(kThreads)
     CombineSendKernel(KernelArgs a, int ch, const uint8_t* y, const int32_t* route, int32_t* ticket) {
+  extern __shared__ uint8_t smem[];
   const MoeShape& s = a.s;
+  const int n = s.num_ranks, blocks = s.num_experts;
+  int* sstart = reinterpret_cast<int*>(smem);             // remote ranks only: [blocks + 1] dispatch_recv's prefix of rows per (e, q) block
+  int* qoff = sstart + blocks + 1; // [blocks]: where block (e, q)'s rows start in q's combine region
+  __shared__ int free_ok;
   const int half = kCombineSend + 2 * ch, flag = kCombineFlag + 2 * ch, ack = kCombineAck + 2 * ch;
   const unsigned long long epoch = Local(a)->epoch[half] + 1;
+  const FabricArgs& fab = a.fab[1 + ch];
   TraceBlock0(a, half, epoch, kTraceStart);
   // The token owners must have summed the previous epoch before their combine areas are overwritten.
-  if (threadIdx.x < s.num_ranks)
+  if (threadIdx.x < n && !IsRemote(a, threadIdx.x))
     WaitAtLeast(a, Flags(a.base, a, ack) + threadIdx.x, epoch - 1, ack * kWaitStride + threadIdx.x);
+  if (threadIdx.x == 0)
+    free_ok = a.num_remote == 0 ||
+              WaitFabric(a, fab, proxy::kSent, epoch - kFabricLanes, ack * kWaitStride + FirstRemote(a), 1 + ch);
+  const long long rows = s.max_recv_rows(), entries = s.entries();
+  if (a.num_remote > 0) {
+    for (int f = threadIdx.x; f <= blocks; f += blockDim.x) sstart[f] = route[rows + 1 + f];
+    __syncthreads();
+    if (threadIdx.x < n && IsRemote(a, threadIdx.x)) {  // rows go back expert after expert, as q sent them
+      const int q = threadIdx.x;
+      int at = 0;
+      for (int e = 0; e < s.local_experts; ++e) {
+        const int f = e * n + q, c = sstart[f + 1] - sstart[f];
+        qoff[f] = at;
+        at += c > 0 ? c : 0;
+      }
+      if (at > s.rows_per_peer()) at = static_cast<int>(s.rows_per_peer());  // a route not from dispatch_recv
+      if (blockIdx.x == 0 && free_ok) {
+        uint8_t* region = SendRegion(fab, a, epoch, q);
+        StoreHeader(region, fab, a, epoch, at);
+        fab.bytes[(epoch % kFabricLanes) * n + q] = FabricHeaderBytes(s) + static_cast<unsigned long long>(at) * s.combine_row_bytes();
+      }
+    }
+  }
   __syncthreads();
   TraceBlock0(a, half, epoch, kTraceWaited);
-  const long long rows = s.max_recv_rows(), entries = s.entries();
   long long total = route[rows];
   total = total < 0 ? 0 : (total > rows ? rows : total);
   const int lane = threadIdx.x & 31;
@@ -36,6 +65,20 @@ __global__ void __launch_bounds__(kThreads)
     const int q = static_cast<int>(from / entries);
     if (from < 0 || q >= s.num_ranks) continue;
     const long long tk = from - q * entries;
+    if (IsRemote(a, q)) {  // into q's region, at the place of row i among q's rows
+      if (!free_ok) continue;
+      int lo = 0, hi = blocks - 1;
+      while (lo < hi) {  // the block holding row i: last f with sstart[f] <= i
+        const int mid = (lo + hi + 1) >> 1;
+        if (sstart[mid] <= i) lo = mid; else hi = mid - 1;
+      }
+      const long long j = qoff[lo] + (i - sstart[lo]);
+      if (lo % n != q || j < 0 || j >= s.rows_per_peer()) continue;  // a route not from dispatch_recv
+      const int bytes = s.combine_row_bytes() - off < kChunkBytes ? s.combine_row_bytes() - off : kChunkBytes;
+      WarpCopy16(SendRegion(fab, a, epoch, q) + FabricHeaderBytes(s) + j * s.combine_row_bytes() + off,
+                 y + i * s.combine_row_bytes() + off, bytes, lane);
+      continue;
+    }
     if (q == a.rank) {  // this rank's own entry: combine_recv reads the row from expert_y, only its index moves
       if (off == 0 && lane == 0) reinterpret_cast<int32_t*>(a.base + a.lay.self)[ch * entries + tk] = static_cast<int32_t>(i);
       continue;
@@ -44,7 +87,9 @@ __global__ void __launch_bounds__(kThreads)
     WarpCopy16(Peer(a, q) + a.lay.comb + (ch * entries + tk) * s.combine_row_bytes() + off, y + i * s.combine_row_bytes() + off, bytes, lane);
   }
   FinishBlock(a, half, [&](LocalSync* ls) {
-    for (int p = 0; p < s.num_ranks; ++p) StoreReleaseSys(Flags(Peer(a, p), a, flag) + a.rank, epoch);
+    for (int p = 0; p < n; ++p)
+      if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, flag) + a.rank, epoch);
+    if (a.num_remote > 0 && !ls->timed_out) StoreReleaseSys(fab.bell + proxy::kRung, epoch);
     ls->epoch[half] = epoch;
     ticket[0] = static_cast<int32_t>(epoch);
     ticket[1] = ticket[2] = ticket[3] = 0;
@@ -57,11 +102,27 @@ __global__ void __launch_bounds__(kRecvThreads)
   extern __shared__ uint8_t smem[];
   const uint8_t** src = reinterpret_cast<const uint8_t**>(smem);  // [R] row of entry k (comb area or expert_y)
   float* wk = reinterpret_cast<float*>(smem + sizeof(void*) * a.s.experts_per_token);  // [R] weight of entry k, 0 if nothing sent
+  int* pok = reinterpret_cast<int*>(wk + a.s.experts_per_token);  // [n] remote rank p's region is valid
+  __shared__ int fab_ok;
   const MoeShape& s = a.s;
   const int half = kCombineRecv + 2 * ch, flag = kCombineFlag + 2 * ch, ack = kCombineAck + 2 * ch;
   const unsigned long long epoch = Local(a)->epoch[half] + 1;
+  const FabricArgs& fab = a.fab[1 + ch];
+  const int32_t* fpos = reinterpret_cast<const int32_t*>(a.base + a.lay.fpos) + static_cast<size_t>(ch) * s.entries();
+  const int32_t* fexp = reinterpret_cast<const int32_t*>(a.base + a.lay.fexp) + ch * s.num_ranks;
   TraceBlock0(a, half, epoch, kTraceStart);
-  if (threadIdx.x < s.num_ranks) WaitAtLeast(a, Flags(a.base, a, flag) + threadIdx.x, epoch, flag * kWaitStride + threadIdx.x);
+  if (threadIdx.x < s.num_ranks && !IsRemote(a, threadIdx.x))
+    WaitAtLeast(a, Flags(a.base, a, flag) + threadIdx.x, epoch, flag * kWaitStride + threadIdx.x);
+  if (threadIdx.x == 0)
+    fab_ok = a.num_remote == 0 ||
+             WaitFabric(a, fab, proxy::kArrived, epoch, flag * kWaitStride + FirstRemote(a), 1 + ch);
+  __syncthreads();
+  if (threadIdx.x < s.num_ranks && IsRemote(a, threadIdx.x)) {  // the region holds exactly the rows we expect
+    const int p = threadIdx.x;
+    const proxy::RegionHeader h = LoadHeader(RecvRegion(fab, a, epoch, p));
+    pok[p] = fab_ok && HeaderOk(h, fab, epoch, p, s.rows_per_peer()) && h.rows == fexp[p];
+    if (fab_ok && !pok[p] && blockIdx.x == 0) RaiseError(a, kBadPeerData, p);
+  }
   __syncthreads();
   TraceBlock0(a, half, epoch, kTraceWaited);
   const uint8_t* comb = a.base + a.lay.comb + static_cast<size_t>(ch) * s.entries() * s.combine_row_bytes();
@@ -80,6 +141,13 @@ __global__ void __launch_bounds__(kRecvThreads)
       if (g >= 0 && g / s.local_experts == a.rank) {
         const int32_t i = reinterpret_cast<const int32_t*>(a.base + a.lay.self)[ch * s.entries() + entry];
         if (i >= 0 && i < s.max_recv_rows()) row = y + static_cast<size_t>(i) * s.combine_row_bytes(); else wt = 0.f;
+      } else if (g >= 0 && IsRemote(a, g / s.local_experts)) {
+        const int p = g / s.local_experts;
+        const int32_t i = fpos[entry];
+        if (pok[p] && i >= 0 && i < fexp[p])
+          row = RecvRegion(fab, a, epoch, p) + FabricHeaderBytes(s) + static_cast<size_t>(i) * s.combine_row_bytes();
+        else
+          wt = 0.f;
       }
       wk[k] = wt;
       src[k] = row;
@@ -120,7 +188,9 @@ __global__ void __launch_bounds__(kRecvThreads)
   }
   FinishBlock(a, half, [&](LocalSync* ls) {
     ls->epoch[half] = epoch;
-    for (int p = 0; p < s.num_ranks; ++p) StoreReleaseSys(Flags(Peer(a, p), a, ack) + a.rank, epoch);
+    for (int p = 0; p < s.num_ranks; ++p)
+      if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, ack) + a.rank, epoch);
+    if (a.num_remote > 0) StoreReleaseSys(fab.bell + proxy::kRead, epoch);  // the proxy gives the senders credit
   });
 }
 
@@ -132,7 +202,13 @@ cudaError_t LaunchCombineSend(const KernelArgs& a, int channel, const void* expe
                               int32_t* ticket, cudaStream_t stream) {
   // A warp per 4 KiB piece of a row (the rows received are not known on the host): every SM takes part.
   const int grid = GridFor(a.s.max_recv_rows() * ChunksOf(a.s.combine_row_bytes()), kWarps, a.num_sms);
-  CombineSendKernel<<<grid, kThreads, 0, stream>>>(a, channel, static_cast<const uint8_t*>(expert_y), route, ticket);
+  const size_t smem = a.num_remote > 0 ? sizeof(int) * (2 * a.s.num_experts + 1) : 0;
+  if (smem > 48 * 1024) {
+    if (cudaError_t err = cudaFuncSetAttribute(CombineSendKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+        err != cudaSuccess)
+      return err;
+  }
+  CombineSendKernel<<<grid, kThreads, smem, stream>>>(a, channel, static_cast<const uint8_t*>(expert_y), route, ticket);
   return cudaGetLastError();
 }
 
@@ -141,7 +217,10 @@ cudaError_t LaunchCombineRecv(const KernelArgs& a, int channel, int tokens, cons
   const int pieces = ((a.s.combine_row_bytes() >> 4) + kRecvThreads - 1) / kRecvThreads;
   long long items = static_cast<long long>(tokens) * pieces;
   const int grid = static_cast<int>(items < 1 ? 1 : (items > 16LL * a.num_sms ? 16LL * a.num_sms : items));
-  const size_t smem = (sizeof(void*) + sizeof(float)) * a.s.experts_per_token;
+  const size_t smem = (sizeof(void*) + sizeof(float)) * a.s.experts_per_token + sizeof(int) * a.s.num_ranks;
+  if (a.num_remote > 0) {  // first: where each remote entry's row will sit
+    if (cudaError_t err = LaunchCombineIndex(a, channel, tokens, topk_idx, stream); err != cudaSuccess) return err;
+  }
   CombineRecvKernel<<<grid, kRecvThreads, smem, stream>>>(a, channel, tokens, topk_weights, topk_idx,
                                                          static_cast<const uint8_t*>(expert_y),
                                                          static_cast<uint8_t*>(out));

@@ -75,4 +75,23 @@ __device__ inline void BlockInclusiveScan(int* data, int n, int* warp_sums) {
   }
 }
 
+// The position of this thread among the threads of the block whose `pred` holds, in thread order, after `running`
+// earlier ones (-1 where `pred` is false); adds the block's count to `running`, alike in every thread. Every thread of
+// the block calls it (it has barriers); `warp_count` is shared scratch of one int per warp.
+__device__ __forceinline__ int BlockRank(bool pred, int* warp_count, int& running) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned m = __ballot_sync(0xffffffffu, pred);
+  if (lane == 0) warp_count[warp] = __popc(m);
+  __syncthreads();
+  int before = 0, total = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) {
+    before += w < warp ? warp_count[w] : 0;
+    total += warp_count[w];
+  }
+  const int mine = running + before + __popc(m & ((1u << lane) - 1u));
+  running += total;
+  __syncthreads();
+  return pred ? mine : -1;
+}
+
 }  // namespace jax_moe::cuda

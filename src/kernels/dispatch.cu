@@ -2,6 +2,7 @@
 // its tokens) and dispatch_recv (wait, expand the received tokens into expert_x rows in the contract order: local
 // expert, then source rank, then source token). One kernel each.
 #include "kernels/copy.cuh"
+#include "kernels/fabric_kernels.h"
 #include "kernels/grid.h"
 #include "kernels/moe_kernels.h"
 #include "kernels/sync.cuh"
@@ -27,8 +28,8 @@ __global__ void __launch_bounds__(kThreads)
   TraceBlock0(a, kDispatchSend, epoch, kTraceStart);
 
   // The receivers must have consumed the previous epoch before their areas are overwritten.
-  if (threadIdx.x < n) WaitAtLeast(a, Flags(a.base, a, kDispatchAck) + threadIdx.x, epoch - 1,
-                                     kDispatchAck * kWaitStride + threadIdx.x);
+  if (threadIdx.x < n && !IsRemote(a, threadIdx.x))
+    WaitAtLeast(a, Flags(a.base, a, kDispatchAck) + threadIdx.x, epoch - 1, kDispatchAck * kWaitStride + threadIdx.x);
   __syncthreads();
   TraceBlock0(a, kDispatchSend, epoch, kTraceWaited);
 
@@ -52,7 +53,8 @@ __global__ void __launch_bounds__(kThreads)
       const int g = idx[static_cast<size_t>(t) * r + lane];
       here = g >= 0 && g < experts && g / s.local_experts == p;
     }
-    if (p == a.rank || !__any_sync(0xffffffffu, here)) continue;  // own tokens: dispatch_recv reads them from x
+    // Own tokens: dispatch_recv reads them from x; remote ranks': DispatchPackKernel.
+    if (p == a.rank || IsRemote(a, p) || !__any_sync(0xffffffffu, here)) continue;
     uint8_t* dst = Peer(a, p) + a.lay.tokens + (static_cast<size_t>(a.rank) * s.max_tokens + t) * s.dispatch_row_bytes();
     const int bytes = s.x_bytes() - off < kChunkBytes ? s.x_bytes() - off : kChunkBytes;
     WarpCopy16(dst + off, x + static_cast<size_t>(t) * s.x_bytes() + off, bytes, lane);
@@ -61,6 +63,7 @@ __global__ void __launch_bounds__(kThreads)
 
   for (int g = blockIdx.x; g < experts; g += gridDim.x) {
     const int p = g / s.local_experts, e = g - p * s.local_experts;
+    if (IsRemote(a, p)) continue;  // the same for the whole block
     uint8_t* peer = Peer(a, p);
     int32_t* list = reinterpret_cast<int32_t*>(peer + a.lay.list) + (static_cast<size_t>(a.rank) * s.local_experts + e) * s.max_tokens;
     int running = 0;
@@ -90,7 +93,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   FinishBlock(a, kDispatchSend, [&](LocalSync* ls) {
-    for (int p = 0; p < n; ++p) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchFlag) + a.rank, epoch);
+    for (int p = 0; p < n; ++p)
+      if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchFlag) + a.rank, epoch);
     ls->epoch[kDispatchSend] = epoch;
     ticket[0] = static_cast<int32_t>(epoch);
     ticket[1] = ticket[2] = ticket[3] = 0;
@@ -111,23 +115,50 @@ __global__ void __launch_bounds__(kThreads)
   int* start = smem;                // [blocks + 1]: exclusive prefix of the rows of block f, in (e, s) order
   int* ok = start + blocks + 1;     // [n] sender signalled in time
   int* warp_sums = ok + n;          // [32]
+  int* loff = warp_sums + 32;       // [blocks]: remote senders only: where block f's entries start in q's list
+  int* frows = loff + blocks;       // [n]: remote senders only: token records in q's region
+  __shared__ int fab_ok;
   const unsigned long long epoch = Local(a)->epoch[kDispatchRecv] + 1;
+  const FabricArgs& fab = a.fab[0];
   TraceBlock0(a, kDispatchRecv, epoch, kTraceStart);
 
-  if (threadIdx.x < n) ok[threadIdx.x] = WaitAtLeast(a, Flags(a.base, a, kDispatchFlag) + threadIdx.x, epoch,
-                                                     kDispatchFlag * kWaitStride + threadIdx.x);
+  if (threadIdx.x < n && !IsRemote(a, threadIdx.x))
+    ok[threadIdx.x] = WaitAtLeast(a, Flags(a.base, a, kDispatchFlag) + threadIdx.x, epoch,
+                                  kDispatchFlag * kWaitStride + threadIdx.x);
+  if (threadIdx.x == 0)
+    fab_ok = a.num_remote == 0 || WaitFabric(a, fab, proxy::kArrived, epoch, kDispatchFlag * kWaitStride + FirstRemote(a), 0);
+  __syncthreads();
+  if (threadIdx.x < n && IsRemote(a, threadIdx.x)) {  // the proxy says the region is here: check its header
+    const int q = threadIdx.x;
+    const proxy::RegionHeader h = LoadHeader(RecvRegion(fab, a, epoch, q));
+    ok[q] = fab_ok && HeaderOk(h, fab, epoch, q, s.max_tokens);
+    if (fab_ok && !ok[q]) RaiseError(a, kBadPeerData, q);
+    frows[q] = ok[q] ? h.rows : 0;
+  }
   __syncthreads();
   TraceBlock0(a, kDispatchRecv, epoch, kTraceWaited);
   const int32_t* counts = reinterpret_cast<const int32_t*>(a.base + a.lay.counts);
   for (int f = threadIdx.x; f < blocks; f += blockDim.x) {
     const int e = f / n, q = f - e * n;
-    const int v = ok[q] ? __ldcg(counts + q * l + e) : 0;
+    int v = 0;
+    if (ok[q]) {
+      v = IsRemote(a, q) ? proxy::HeaderCounts(reinterpret_cast<const proxy::RegionHeader*>(RecvRegion(fab, a, epoch, q)))[e]
+                         : __ldcg(counts + q * l + e);
+    }
     const bool bad = v < 0 || v > s.max_tokens;
     if (bad) RaiseError(a, kBadPeerData, q);
     start[f + 1] = bad ? 0 : v;
   }
   if (threadIdx.x == 0) start[0] = 0;
   __syncthreads();
+  // A remote sender's list holds its entries expert after expert: block (e, q) starts after q's earlier experts.
+  if (threadIdx.x < n && IsRemote(a, threadIdx.x)) {
+    int at = 0;
+    for (int e = 0; e < l; ++e) {
+      loff[e * n + threadIdx.x] = at;
+      at += start[e * n + threadIdx.x + 1];
+    }
+  }
   // A sender whose counts add up to more than it may send is ignored (never read or write out of bounds).
   if (threadIdx.x < n) {
     int sum = 0;
@@ -143,6 +174,7 @@ __global__ void __launch_bounds__(kThreads)
   if (blockIdx.x == 0) {
     for (int e = threadIdx.x; e < l; e += blockDim.x) ocounts[e] = start[(e + 1) * n] - start[e * n];
     if (threadIdx.x == 0) route[s.max_recv_rows()] = total;
+    for (int f = threadIdx.x; f <= blocks; f += blockDim.x) route[s.max_recv_rows() + 1 + f] = start[f];
   }
   const int lane = threadIdx.x & 31;
   const int32_t* list = reinterpret_cast<const int32_t*>(a.base + a.lay.list);
@@ -163,7 +195,12 @@ __global__ void __launch_bounds__(kThreads)
       }
       const int e = lo / n;
       my_q = lo - e * n;
-      my_tk = __ldcg(list + (static_cast<size_t>(my_q) * l + e) * s.max_tokens + (mine - start[lo]));
+      if (IsRemote(a, my_q)) {  // slot * R + k: the slot must be one of the records q sent
+        my_tk = reinterpret_cast<const int32_t*>(RecvRegion(fab, a, epoch, my_q) + FabricHeaderBytes(s))[loff[lo] + (mine - start[lo])];
+        if (my_tk >= 0 && my_tk / s.experts_per_token >= frows[my_q]) my_tk = -1;
+      } else {
+        my_tk = __ldcg(list + (static_cast<size_t>(my_q) * l + e) * s.max_tokens + (mine - start[lo]));
+      }
       // Own tokens are read from dispatch_send's x: one past its rows cannot come from our own send.
       if (my_tk < 0 || my_tk >= entries || (my_q == a.rank && my_tk / s.experts_per_token >= x_tokens)) {
         RaiseError(a, kBadPeerData, my_q);
@@ -184,8 +221,10 @@ __global__ void __launch_bounds__(kThreads)
       }
       const int t = tk / s.experts_per_token;
       // Own tokens were not copied: straight from dispatch_send's input.
-      const uint8_t* src = q == a.rank ? x + static_cast<size_t>(t) * s.x_bytes()
-                                       : toks + (static_cast<size_t>(q) * s.max_tokens + t) * s.dispatch_row_bytes();
+      const uint8_t* src =
+          q == a.rank      ? x + static_cast<size_t>(t) * s.x_bytes()
+          : IsRemote(a, q) ? RecvRegion(fab, a, epoch, q) + FabricRecordsOffset(s) + static_cast<size_t>(t) * s.dispatch_row_bytes()
+                           : toks + (static_cast<size_t>(q) * s.max_tokens + t) * s.dispatch_row_bytes();
       WarpCopy16(ox + i * s.x_bytes(), src, s.x_bytes(), lane);
       if (os) {
         const uint8_t* src_scale = q == a.rank ? xs + static_cast<size_t>(t) * s.scale_bytes() : src + s.x_bytes();
@@ -196,7 +235,9 @@ __global__ void __launch_bounds__(kThreads)
   }
   FinishBlock(a, kDispatchRecv, [&](LocalSync* ls) {
     ls->epoch[kDispatchRecv] = epoch;
-    for (int p = 0; p < n; ++p) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchAck) + a.rank, epoch);
+    for (int p = 0; p < n; ++p)
+      if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchAck) + a.rank, epoch);
+    if (a.num_remote) StoreReleaseSys(fab.bell + proxy::kRead, epoch);  // the proxy gives the senders credit
   });
 }
 
@@ -207,6 +248,9 @@ cudaError_t LaunchDispatchSend(const KernelArgs& a, int tokens, const void* x, c
   // Enough blocks for one per expert scan and for every (token, rank) copy to have its warp, up to 2 per SM.
   int grid = GridFor(static_cast<long long>(tokens) * a.s.num_ranks * ChunksOf(a.s.x_bytes()), kWarps, a.num_sms);
   if (grid < a.s.num_experts) grid = a.s.num_experts < 2 * a.num_sms ? a.s.num_experts : 2 * a.num_sms;
+  if (a.num_remote > 0) {  // first: it reads the epoch the NVLink kernel advances
+    if (cudaError_t err = LaunchDispatchPack(a, tokens, x, x_scale, topk_idx, stream); err != cudaSuccess) return err;
+  }
   DispatchSendKernel<<<grid, kThreads, 0, stream>>>(a, tokens, static_cast<const uint8_t*>(x),
                                                     static_cast<const uint8_t*>(x_scale), topk_idx, ticket);
   return cudaGetLastError();
@@ -214,7 +258,7 @@ cudaError_t LaunchDispatchSend(const KernelArgs& a, int tokens, const void* x, c
 
 cudaError_t LaunchDispatchRecv(const KernelArgs& a, const void* x, const void* x_scale, int x_tokens, void* expert_x,
                                void* expert_x_scale, int32_t* counts, int32_t* route, cudaStream_t stream) {
-  const size_t smem = sizeof(int) * (a.s.num_experts + 1 + a.s.num_ranks + 32);
+  const size_t smem = sizeof(int) * (a.s.num_experts + 1 + a.s.num_ranks + 32 + a.s.num_experts + a.s.num_ranks);
   // A warp per expert_x row: the received ones are copied, the padding zeroed.
   const int grid = GridFor(a.s.max_recv_rows(), kWarps * 2, a.num_sms);
   DispatchRecvKernel<<<grid, kThreads, smem, stream>>>(

@@ -6,8 +6,9 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "proxy/bell.h"
 #include "proxy/moe_shape.h"
-
+#include "proxy/region_header.h"
 
 namespace jax_moe::cuda {
 
@@ -26,7 +27,8 @@ constexpr int kWaitStride = 1024;
 
 // Error codes in the host-mapped error word (reported by the next recv half's handler).
 // kBadPeerData: a peer's counts or token lists did not fit this buffer (detail = that rank); its data was dropped.
-enum ErrorKind { kNoError = 0, kBadExpertId = 1, kTimeout = 2, kBadPeerData = 3 };
+// kProxyFailed: the host proxy serving this device's remote ranks stopped (detail = stream); its error says why.
+enum ErrorKind { kNoError = 0, kBadExpertId = 1, kTimeout = 2, kBadPeerData = 3, kProxyFailed = 4 };
 // An error is ErrorKind << 32 | uint32 detail. The published error word adds its number (1..kErrorSeqMax, wrapping)
 // above bit kErrorSeqShift; the host acknowledges a number by writing it into the ack word (see KernelArgs).
 constexpr int kErrorSeqShift = 40;
@@ -59,6 +61,9 @@ struct MoeLayout {
   size_t comb = 0;    // [channels][max_tokens * R] rows of y_bytes: expert outputs returned to this token owner
   size_t self = 0;    // int32 [channels][max_tokens * R]: for entries served by this rank, their expert_y row (this
                       // rank's own rows are not copied: combine_recv reads them from expert_y)
+  size_t fpos = 0;    // int32 [channels][max_tokens * R]: for entries served by a remote rank, their row in its
+                      // combine region (written by combine_recv's index kernel, read by combine_recv)
+  size_t fexp = 0;    // int32 [channels][n]: rows each remote rank must return (same kernel)
   size_t total = 0;
 };
 
@@ -68,6 +73,7 @@ struct LocalSync {
   int timed_out;                      // a wait timed out: later waits give up at once (device copy of the error)
   unsigned int error_seq;             // number of the last error published to the host (0: none yet)
   unsigned long long error;           // the running launch's first error (kind << 32 | detail), published at its end
+  unsigned int pack_done;             // blocks finished in the running dispatch pack launch (remote ranks)
 };
 
 inline MoeLayout MakeLayout(const MoeShape& s) {
@@ -83,9 +89,46 @@ inline MoeLayout MakeLayout(const MoeShape& s) {
   m.tokens = take(size_t(s.dispatch_row_bytes()) * s.num_ranks * s.max_tokens);
   m.comb = take(size_t(s.combine_row_bytes()) * s.entries() * kCombineChannels);
   m.self = take(sizeof(int32_t) * s.entries() * kCombineChannels);
+  m.fpos = take(sizeof(int32_t) * s.entries() * kCombineChannels);
+  m.fexp = take(sizeof(int32_t) * s.num_ranks * kCombineChannels);
   m.total = at;
   return m;
 }
+
+// route of dispatch_recv (int32): [M] rows' origins, [M] rows received, then [E + 1] the exclusive prefix of the rows
+// per (local expert, sender) block, which combine_send needs to pack a remote rank's rows in its order.
+JAX_MOE_HD inline int64_t RouteLength(const MoeShape& s) { return s.max_recv_rows() + 2 + s.num_experts; }
+
+// --- ranks on other nodes: regions the host proxy moves (src/proxy/pump.h) ------------------------------------------
+// Per round stream (dispatch, combine channel 0, 1) a device owns a send area and a receive area in pinned host
+// memory mapped into the GPU, [kFabricLanes][N] regions of one sender each (proxy::Lanes), and the pump's bell and
+// byte words. A region starts with a proxy::RegionHeader (dispatch: + the per-local-expert counts), then
+//   dispatch: int32 list[C] (entries in (local expert, token) order, each slot * R + k), then the token records, slot
+//             after slot (each token once per destination rank, in token order);
+//   combine:  the rows returned to the token owner in the order it sent them (local expert, then token).
+// Both ends compute every offset alike; the counts and the header's rows say how much is valid.
+constexpr int kFabricLanes = 1;  // one round per stream in flight, as on NVLink
+constexpr int kFabricStreams = 1 + kCombineChannels;
+
+JAX_MOE_HD inline uint64_t FabricHeaderBytes(const MoeShape& s) { return proxy::RegionHeaderBytes(s); }
+JAX_MOE_HD inline uint64_t FabricRecordsOffset(const MoeShape& s) {
+  return FabricHeaderBytes(s) + AlignUp(4 * uint64_t(s.rows_per_peer()), 64);
+}
+JAX_MOE_HD inline uint64_t FabricDispatchRegion(const MoeShape& s) {
+  return AlignUp(FabricRecordsOffset(s) + uint64_t(s.max_tokens) * s.dispatch_row_bytes(), 64);
+}
+JAX_MOE_HD inline uint64_t FabricCombineRegion(const MoeShape& s) {
+  return AlignUp(FabricHeaderBytes(s) + uint64_t(s.rows_per_peer()) * s.combine_row_bytes(), 64);
+}
+
+struct FabricArgs {
+  uint8_t* send = nullptr;               // our regions, of rank p at (lane * N + p) * region
+  const uint8_t* recv = nullptr;         // the remote senders' regions, of rank q at (lane * N + q) * region
+  unsigned long long* bell = nullptr;    // proxy::BellWord words (the device writes kRung and kRead)
+  unsigned long long* bytes = nullptr;   // [kFabricLanes][N]: bytes of our region for rank p
+  unsigned long long region = 0;         // bytes of one region
+  unsigned int comm_id = 0;              // the regions' header comm_id (the stream's immediate id)
+};
 
 // Everything a kernel needs about its device's group membership; passed by value.
 struct KernelArgs {
@@ -104,6 +147,11 @@ struct KernelArgs {
   long long timeout_ns = 0;         // bound of every wait on a peer
   int num_sms = 1;
   int trace = 0;                    // record the device-side trace (see kTraceRing)
+  unsigned int remote[4] = {0, 0, 0, 0};  // bit p: rank p is on another node (reached through the host proxy)
+  int num_remote = 0;
+  FabricArgs fab[kFabricStreams];   // dispatch, combine channel 0, 1 (when num_remote > 0)
 };
+
+JAX_MOE_HD inline bool IsRemote(const KernelArgs& a, int p) { return (a.remote[p >> 5] >> (p & 31)) & 1u; }
 
 }  // namespace jax_moe::cuda

@@ -34,7 +34,7 @@ __device__ __forceinline__ LocalSync* Local(const KernelArgs& a) {
 __device__ __forceinline__ void RaiseError(const KernelArgs& a, int kind, int detail) {
   const unsigned long long word = (static_cast<unsigned long long>(kind) << 32) | static_cast<unsigned>(detail);
   atomicCAS(&Local(a)->error, 0ull, word);
-  if (kind == kTimeout) atomicCAS_system(a.timeout, 0ull, word);
+  if (kind == kTimeout || kind == kProxyFailed) atomicCAS_system(a.timeout, 0ull, word);
 }
 
 // Publishes the ending launch's error, if any, with the next number. Only when the host has acknowledged the previous
@@ -68,6 +68,75 @@ __device__ __forceinline__ bool WaitAtLeast(const KernelArgs& a, const unsigned 
     }
   }
   return true;
+}
+
+// WaitAtLeast on a pump's bell word in host-mapped memory: also gives up when the pump stopped (kError), and naps
+// between polls, since every poll is a PCIe read (one thread per block polls).
+__device__ __forceinline__ bool WaitFabric(const KernelArgs& a, const FabricArgs& f, int word, unsigned long long want,
+                                           int which, int stream) {
+  if (LoadAcquireSys(f.bell + word) >= want) return true;
+  volatile int* timed_out = &Local(a)->timed_out;
+  if (*timed_out) return false;
+  const unsigned long long start = GlobalTimer();
+  while (LoadAcquireSys(f.bell + word) < want) {
+    if (LoadAcquireSys(f.bell + proxy::kError) != 0) {
+      RaiseError(a, kProxyFailed, stream);
+      *timed_out = 1;
+      return false;
+    }
+    if (static_cast<long long>(GlobalTimer() - start) > a.timeout_ns) {
+      RaiseError(a, kTimeout, which);
+      *timed_out = 1;
+      return false;
+    }
+    __nanosleep(64);
+  }
+  return true;
+}
+
+// The first remote rank (names a fabric wait that timed out: the pump's own error names every late rank).
+__device__ __forceinline__ int FirstRemote(const KernelArgs& a) {
+  for (int p = 0; p < a.s.num_ranks; ++p)
+    if (IsRemote(a, p)) return p;
+  return 0;
+}
+
+__device__ __forceinline__ uint8_t* SendRegion(const FabricArgs& f, const KernelArgs& a, unsigned long long epoch, int p) {
+  return f.send + ((epoch % kFabricLanes) * a.s.num_ranks + p) * f.region;
+}
+__device__ __forceinline__ const uint8_t* RecvRegion(const FabricArgs& f, const KernelArgs& a, unsigned long long epoch,
+                                                     int q) {
+  return f.recv + ((epoch % kFabricLanes) * a.s.num_ranks + q) * f.region;
+}
+
+// A received region's header is the round's, from `sender`, with at most `max_rows` rows; else its data is dropped and
+// reported (kBadPeerData). Read once by the caller (a peer could be rewriting it).
+__device__ __forceinline__ bool HeaderOk(const proxy::RegionHeader& h, const FabricArgs& f, unsigned long long epoch,
+                                         int sender, long long max_rows) {
+  return h.magic == proxy::kRegionMagic && h.comm_id == f.comm_id && h.seq == epoch && h.sender == sender &&
+         h.error == 0 && h.rows >= 0 && h.rows <= max_rows;
+}
+
+__device__ __forceinline__ proxy::RegionHeader LoadHeader(const uint8_t* region) {
+  proxy::RegionHeader h;
+  const volatile uint32_t* src = reinterpret_cast<const volatile uint32_t*>(region);
+  uint32_t* dst = reinterpret_cast<uint32_t*>(&h);
+  for (int i = 0; i < int(sizeof(h) / 4); ++i) dst[i] = src[i];
+  return h;
+}
+
+// Writes our header for `epoch` into a send region.
+__device__ __forceinline__ void StoreHeader(uint8_t* region, const FabricArgs& f, const KernelArgs& a,
+                                            unsigned long long epoch, int rows) {
+  proxy::RegionHeader* h = reinterpret_cast<proxy::RegionHeader*>(region);
+  h->magic = proxy::kRegionMagic;
+  h->comm_id = f.comm_id;
+  h->seq = epoch;
+  h->sender = a.rank;
+  h->error = 0;
+  h->error_value = 0;
+  h->rows = rows;
+  h->pad = 0;
 }
 
 __device__ __forceinline__ unsigned long long* Flags(uint8_t* base, const KernelArgs& a, int kind) {

@@ -82,10 +82,18 @@ std::string Pump::error() const {
   return error_;
 }
 
-void Pump::Stop(const std::string& why) {
+ErrorCode Pump::error_code() const {
+  std::lock_guard<std::mutex> lock(error_mu_);
+  return error_code_;
+}
+
+void Pump::Stop(const std::string& why, ErrorCode code) {
   {
     std::lock_guard<std::mutex> lock(error_mu_);
-    if (error_.empty()) error_ = why;
+    if (error_.empty()) {
+      error_ = why;
+      error_code_ = code;
+    }
   }
   for (Link& l : links_) Store(l.bell + kError, 1);
   stop_.store(true);
@@ -128,7 +136,8 @@ bool Pump::Step(Link& link, State& st) {
       for (int32_t p : missing) names += (names.empty() ? "" : ", ") + name_(p);
       Stop(std::string(ch.config().name) + " on " + name_(ch.config().rank) + ": no data from " + names +
            " within " + Format("%g", timeout_s_) + " s (round " + std::to_string(st.flagged + 1) +
-           "): its process may have died or stopped calling this Communicator");
+           "): its process may have died or stopped calling this Communicator",
+           ErrorCode::kTimeout);
       return false;
     }
   }
@@ -154,8 +163,10 @@ bool Pump::StepAll() {
       const uint64_t rung = Load(links_[i].bell + kRung);
       busy |= st.posted < rung || st.flagged < rung || st.released < Load(links_[i].bell + kRead);
     }
+  } catch (const Error& e) {
+    Stop(e.what(), e.code() == ErrorCode::kTimeout ? ErrorCode::kTimeout : ErrorCode::kPeerFailed);
   } catch (const std::exception& e) {
-    Stop(e.what());
+    Stop(e.what(), ErrorCode::kInternal);
   }
   return busy;
 }

@@ -22,11 +22,11 @@
 #include <thread>
 #include <vector>
 
+#include "proxy/bell.h"
+#include "common/error.h"
 #include "proxy/channel.h"
 
 namespace jax_moe::proxy {
-
-enum BellWord { kRung = 0, kSent = 1, kArrived = 2, kRead = 3, kError = 4, kBellWords = 8 };
 
 // The pump's view of peers it does not serve: the device signals those itself.
 class NoPeersHere final : public SameProcess {
@@ -59,6 +59,8 @@ class Pump {
   void Drain(double bound_s);
   // Empty while the pump runs; else why it stopped (every later round of the device must fail with it).
   std::string error() const;
+  // What kind of error it was (kTimeout: a peer was late; kPeerFailed: gone or bad data), when error() is not empty.
+  ErrorCode error_code() const;
   // Per round of link 0, steady-clock ns: when the pump saw the ring, posted the round, and flagged its arrival
   // (0 where it has not happened). For the benchmark's breakdown; read after the pump is idle.
   std::vector<std::array<int64_t, 3>> Trace() const;
@@ -72,13 +74,14 @@ class Pump {
   void DrainOrThrow(double bound_s);
   bool StepAll();                    // one pass over every link; true when anything moved
   bool Step(Link& link, State& st);  // true when anything moved
-  void Stop(const std::string& why);
+  void Stop(const std::string& why, ErrorCode code);
 
   std::vector<Link> links_;
   const double timeout_s_;
   std::function<std::string(int64_t)> name_;
   mutable std::mutex error_mu_;
   std::string error_;
+  ErrorCode error_code_ = ErrorCode::kInternal;
   std::vector<State> states_;
   std::vector<std::array<int64_t, 3>> trace_;  // [round - 1]: seen, posted, arrived (link 0, first kTraceRounds)
   fabric::TransferEngine* hooked_ = nullptr;  // the engine whose progress thread runs the pump, if any

@@ -26,10 +26,12 @@ struct RegionHeader {
 };
 static_assert(sizeof(RegionHeader) == 40, "wire layout");
 
-inline uint64_t RegionHeaderBytes(const MoeShape& s) { return AlignUp(sizeof(RegionHeader) + 4 * s.local_experts, 64); }
+JAX_MOE_HD inline uint64_t RegionHeaderBytes(const MoeShape& s) {
+  return AlignUp(sizeof(RegionHeader) + 4 * uint64_t(s.local_experts), 64);
+}
 
-inline int32_t* HeaderCounts(RegionHeader* h) { return reinterpret_cast<int32_t*>(h + 1); }
-inline const int32_t* HeaderCounts(const RegionHeader* h) { return reinterpret_cast<const int32_t*>(h + 1); }
+JAX_MOE_HD inline int32_t* HeaderCounts(RegionHeader* h) { return reinterpret_cast<int32_t*>(h + 1); }
+JAX_MOE_HD inline const int32_t* HeaderCounts(const RegionHeader* h) { return reinterpret_cast<const int32_t*>(h + 1); }
 
 // Empty string when `h` is a well-formed region of round `seq` from `sender`; else what is wrong.
 std::string CheckHeader(const RegionHeader& h, const MoeShape& s, uint32_t comm_id, uint64_t seq, int32_t sender,

@@ -8,6 +8,7 @@
 
 #include "cuda/device_error.h"
 #include "cuda/device_comm.h"
+#include "cuda/device_fabric.h"
 #include "ffi/cuda/handlers.h"
 #include "cuda/peer_bandwidth.h"
 #include "python/registry.h"
@@ -88,10 +89,73 @@ void RegisterCuda(nb::module_& m) {
         }
         jax_moe::cuda::ConnectComm(id, ordinal, specs);
       },
-      "peers: (rank, kind 0=self 1=local device 2=ipc, peer ordinal, ipc handle bytes, where the rank runs), in "
+      "peers: (rank, kind 0=self 1=local device 2=ipc 3=remote, peer ordinal, ipc handle bytes, where the rank runs), in "
       "rank order.");
+  cuda.def(
+      "open_fabric",
+      [](int64_t id, int ordinal, const std::string& provider) {
+        auto [address, receive] = jax_moe::cuda::OpenFabric(id, ordinal, provider);
+        std::vector<nb::bytes> areas;
+        for (const std::string& d : receive) areas.emplace_back(d.data(), d.size());
+        return std::make_tuple(nb::bytes(address.data(), address.size()), areas);
+      },
+      nb::call_guard<nb::gil_scoped_release>(),
+      "For a device with ranks on other nodes: its engine, areas and host proxy. Returns (engine address, [receive "
+      "area descriptor per stream]).");
+  cuda.def(
+      "connect_fabric",
+      [](int64_t id, int ordinal, const std::vector<std::tuple<int, nb::bytes, std::vector<nb::bytes>>>& peers) {
+        std::vector<jax_moe::cuda::RemoteEndpoint> endpoints;
+        for (const auto& [rank, address, areas] : peers) {
+          jax_moe::cuda::RemoteEndpoint e;
+          e.rank = rank;
+          e.address.assign(address.c_str(), address.size());
+          for (const nb::bytes& d : areas) e.receive.emplace_back(d.c_str(), d.size());
+          endpoints.push_back(std::move(e));
+        }
+        nb::gil_scoped_release release;  // the handshakes wait for the peers
+        jax_moe::cuda::ConnectFabric(id, ordinal, endpoints);
+      },
+      "peers: (rank, engine address, [receive area descriptor per stream]) of every remote rank of the device.");
+  cuda.def(
+      "fabric_info",
+      [](int64_t id, int ordinal) {
+        auto dev = jax_moe::cuda::FindDevice(id, ordinal);
+        nb::dict d;
+        if (!dev || !dev->fabric) return d;
+        d["provider"] = dev->fabric->provider();
+        d["memory"] = "pinned host memory mapped into the GPU";
+        d["bytes"] = dev->fabric->BytesAllocated();
+        d["remote_ranks"] = dev->args.num_remote;
+        return d;
+      },
+      "The fabric of a device ({} without remote ranks): provider, where its areas live, their bytes.");
+  cuda.def(
+      "fabric_trace",
+      [](int64_t id, int ordinal, int rounds) {
+        auto dev = jax_moe::cuda::FindDevice(id, ordinal);
+        std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
+        if (!dev || !dev->fabric) return out;
+        auto t = dev->fabric->Trace();
+        for (int i = 0; i < rounds && i < int(t.size()); ++i) out.emplace_back(t[i][0], t[i][1], t[i][2]);
+        return out;
+      },
+      "Per dispatch round of a device's proxy: (bell seen, posted, arrival flagged), steady-clock ns (0: not yet).");
   // Without the GIL: teardown waits for the devices (and, bounded, for the peers' last acknowledgements).
   cuda.def("destroy_comm", &jax_moe::cuda::DestroyComm, nb::call_guard<nb::gil_scoped_release>());
+  // At interpreter exit, before jax's own exit hooks: programs still running call into the Communicators.
+  cuda.def("destroy_all", []() {
+    nb::object modules = nb::module_::import_("sys").attr("modules");
+    if (!modules.attr("get")("jax").is_none()) {
+      try {
+        nb::module_::import_("jax").attr("effects_barrier")();
+      } catch (const std::exception&) {  // a failed program: its error was reported where it was awaited
+      }
+    }
+    nb::gil_scoped_release release;
+    jax_moe::cuda::DestroyAllComms();
+  });
+  nb::module_::import_("atexit").attr("register")(cuda.attr("destroy_all"));
   cuda.def(
       "take_error",
       [](int64_t id, int ordinal) {

@@ -19,8 +19,16 @@ import jax
 
 mode, proc, nproc, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 TIMEOUT_S = float(sys.argv[5]) if len(sys.argv) > 5 else 5.0
-jax.config.update("jax_num_cpu_devices", 1)
-jax.distributed.initialize(f"127.0.0.1:{port}", nproc, proc, initialization_timeout=60)
+# MP_FAILURE_BACKEND=cuda: one GPU per process (MP_WORKER_GPUS GPUs shared round-robin), every rank its own node
+# (JAX_MOE_RANKS_PER_NODE=1 from the test), so the failure crosses the host proxy. A device error surfaces at the
+# call after the one that timed out (the kernel ends without a result), so that backend calls twice.
+BACKEND = os.environ.get("MP_FAILURE_BACKEND", "cpu")
+if BACKEND == "cuda":
+    jax.distributed.initialize(f"127.0.0.1:{port}", nproc, proc, initialization_timeout=60,
+                               local_device_ids=[proc % int(os.environ.get("MP_WORKER_GPUS", "1"))])
+else:
+    jax.config.update("jax_num_cpu_devices", 1)
+    jax.distributed.initialize(f"127.0.0.1:{port}", nproc, proc, initialization_timeout=60)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -44,7 +52,7 @@ def main() -> None:
     max_tokens = 8 if (mode == "mismatch" and proc == 1) else 4
     cfg = jax_moe.MoEConfig(2 * n, 2, 128, max_tokens)
     try:
-        comm = jax_moe.Communicator(cfg, mesh, "ep", backend="cpu", timeout_s=TIMEOUT_S)
+        comm = jax_moe.Communicator(cfg, mesh, "ep", backend=BACKEND, timeout_s=TIMEOUT_S)
     except Exception as e:  # noqa: BLE001 - the message is the result
         finish(f"SETUP ERROR {type(e).__name__}: {e}")
     sharding = NamedSharding(mesh, P("ep"))
@@ -67,7 +75,8 @@ def main() -> None:
         os._exit(0)
     start = time.monotonic()
     try:
-        jax.block_until_ready(f(x, idx))
+        for _ in range(2 if BACKEND == "cuda" else 1):
+            jax.block_until_ready(f(x, idx))
     except Exception as e:  # noqa: BLE001
         finish(f"ERROR after {time.monotonic() - start:.1f} s: {e}")
     finish(f"NO ERROR after {time.monotonic() - start:.1f} s")

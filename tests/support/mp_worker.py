@@ -8,7 +8,9 @@ oracle. Prints OK on success. BACKEND "cuda" runs on GPUs, one per process (GPU 
 from __future__ import annotations
 
 import faulthandler
+import itertools
 import os
+import pickle
 import sys
 
 import jax
@@ -16,9 +18,13 @@ import jax
 faulthandler.dump_traceback_later(int(os.environ.get("MP_WORKER_HANG_S", "150")), exit=True)  # a hang shows where every thread is, then the process ends
 
 proc, nproc, port, per_proc, backend, seed = sys.argv[1:7]
+# MP_WORKER_GPUS=k: the processes share k GPUs round-robin (several processes on one GPU: then results are gathered
+# through the key-value store, since NCCL refuses two ranks on one GPU).
+SHARED_GPUS = int(os.environ.get("MP_WORKER_GPUS", "0"))
 if backend == "cuda":
     assert per_proc == "1", "backend cuda: one GPU per process"
-    jax.distributed.initialize(f"127.0.0.1:{port}", int(nproc), int(proc), local_device_ids=[int(proc)],
+    gpu = int(proc) % SHARED_GPUS if SHARED_GPUS else int(proc)
+    jax.distributed.initialize(f"127.0.0.1:{port}", int(nproc), int(proc), local_device_ids=[gpu],
                                initialization_timeout=60)
 else:
     jax.config.update("jax_num_cpu_devices", int(per_proc))
@@ -35,8 +41,29 @@ from support.helpers import check_roundtrip, random_routing, random_tokens, roun
 from support.program_shapes import run_all  # noqa: E402
 
 
+_gathers = itertools.count()
+
+
+def kv_gather(a):
+    """The global value of `a`, assembled from every process's shards through the key-value store."""
+    from jax._src import distributed
+    client = distributed.global_state.client
+    key = f"mp_worker/gather/{next(_gathers)}"
+    client.key_value_set_bytes(f"{key}/{proc}", pickle.dumps([(s.index, np.asarray(s.data))
+                                                               for s in a.addressable_shards]))
+    out = np.zeros(a.shape, a.dtype)
+    for p in range(int(nproc)):
+        for index, part in pickle.loads(client.blocking_key_value_get_bytes(f"{key}/{p}", 120_000)):
+            out[index] = part
+    return out
+
+
 def gather(a):
-    return None if a is None else np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    if a is None:
+        return None
+    if SHARED_GPUS:
+        return kv_gather(a)
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
 
 
 def main() -> None:

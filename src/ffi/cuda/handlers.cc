@@ -52,8 +52,10 @@ ffi::Error Device(int64_t comm_id, int32_t ordinal, std::shared_ptr<const Device
                                        std::to_string(ordinal) + " (was the Communicator built on this mesh?)");
   }
   if (!dev->connected) return ffi::Error::Internal("jax_moe cuda: Communicator " + std::to_string(comm_id) + " not connected");
-  // After a timeout the peers' epochs are out of step with this device's: nothing is launched any more.
+  // After a timeout the peers' epochs are out of step with this device's: nothing is launched any more. The same
+  // after the host proxy of its remote ranks stopped.
   if (DeviceReport failed = StickyError(*dev); !failed.empty()) return ToFfi(failed);
+  if (DeviceReport failed = ProxyError(*dev); !failed.empty()) return ToFfi(failed);
   return ffi::Error::Success();
 }
 
@@ -126,7 +128,7 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_i
                          ffi::ByteWidth(expert_x->element_type()), a.s.x_bytes());
       e.failure())
     return e;
-  if (counts->element_count() != size_t(a.s.local_experts) || route->element_count() != size_t(rows + 1))
+  if (counts->element_count() != size_t(a.s.local_experts) || route->element_count() != size_t(RouteLength(a.s)))
     return ffi::Error::InvalidArgument("jax_moe cuda: dispatch_recv outputs do not match the Communicator's shape");
   const auto xdims = x.dimensions();
   if (xdims.size() != 2 || xdims[0] > a.s.max_tokens) return ffi::Error::InvalidArgument("jax_moe cuda: bad x");
@@ -167,7 +169,7 @@ ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id
                          a.s.combine_row_bytes());
       e.failure())
     return e;
-  if (route.element_count() != size_t(rows + 1)) return ffi::Error::InvalidArgument("jax_moe cuda: bad route");
+  if (route.element_count() != size_t(RouteLength(a.s))) return ffi::Error::InvalidArgument("jax_moe cuda: bad route");
   if (channel < 0 || channel >= kCombineChannels) return ffi::Error::InvalidArgument("jax_moe cuda: bad channel");
   if (auto e = CheckTicket(ticket->element_count()); e.failure()) return e;
   if constexpr (!kGraph) {

@@ -1,0 +1,162 @@
+#include "cuda/device_fabric.h"
+
+#include <cuda_runtime.h>
+
+#include <cstring>
+
+#include "common/error.h"
+#include "cuda/cuda_scope.h"
+#include "proxy/imm.h"
+
+namespace jax_moe::cuda {
+namespace {
+
+// Credits still owed to us are waited for at most this long when the fabric goes.
+constexpr double kDrainBoundS = 5.0;
+
+}  // namespace
+
+PinnedBuffer::PinnedBuffer(size_t bytes) : size_(bytes) {
+  void* host = nullptr;
+  Check(cudaHostAlloc(&host, bytes, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
+  host_ = static_cast<uint8_t*>(host);
+  std::memset(host_, 0, bytes);
+  void* device = nullptr;
+  if (cudaError_t err = cudaHostGetDevicePointer(&device, host, 0); err != cudaSuccess) {
+    cudaFreeHost(host);
+    Check(err, "cudaHostGetDevicePointer");
+  }
+  device_ = static_cast<uint8_t*>(device);
+}
+
+PinnedBuffer::~PinnedBuffer() {
+  if (host_) cudaFreeHost(host_);
+}
+
+DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, const std::vector<bool>& remote,
+                           const std::string& provider, double timeout_s)
+    : shape_(shape), rank_(rank), timeout_s_(timeout_s), remote_(remote) {
+  const int64_t n = shape.num_ranks;
+  Require(int64_t(remote.size()) == n && !remote[rank], "DeviceFabric: one entry per rank, not this one");
+  Require(n <= proxy::kMaxRanks, "DeviceFabric: too many ranks for the immediates");
+  fabric::EngineOptions options;
+  options.provider = provider;
+  options.busy_poll = true;  // the proxy thread of a GPU spins: every microsecond it naps is on the data path
+  engine_ = std::make_shared<fabric::TransferEngine>(options);
+  Require(engine_->max_imm() == UINT32_MAX, "DeviceFabric: the fabric provider does not carry 32-bit immediates");
+  // Streams: dispatch, combine channel 0, combine channel 1. The two combine channels share the immediate kinds and
+  // differ in their id (bit 14), so their arrivals and credits are counted apart.
+  const uint32_t id = comm_id & 0x3fff;
+  const proxy::ImmKind data[] = {proxy::ImmKind::kDispatchData, proxy::ImmKind::kCombineData,
+                                 proxy::ImmKind::kCombineData};
+  const proxy::ImmKind credit[] = {proxy::ImmKind::kDispatchCredit, proxy::ImmKind::kCombineCredit,
+                                   proxy::ImmKind::kCombineCredit};
+  const char* names[] = {"dispatch", "combine", "combine (gradient channel)"};
+  streams_.resize(kFabricStreams);
+  for (int i = 0; i < kFabricStreams; ++i) {
+    Stream& st = streams_[i];
+    st.region = i == 0 ? FabricDispatchRegion(shape) : FabricCombineRegion(shape);
+    st.comm_id = id | (i == 2 ? 0x4000u : 0u);
+    const proxy::Lanes lanes{n, kFabricLanes, st.region};
+    st.words = std::make_unique<PinnedBuffer>(sizeof(uint64_t) * (proxy::kBellWords + kFabricLanes * n));
+    st.send = std::make_unique<PinnedBuffer>(lanes.buffer_bytes());
+    st.recv = std::make_unique<PinnedBuffer>(lanes.buffer_bytes());
+    st.send_mr = engine_->Register(st.send->host(), st.send->size());
+    st.recv_mr = engine_->Register(st.recv->host(), st.recv->size());
+    proxy::ChannelConfig config;
+    config.name = names[i];
+    config.data_kind = data[i];
+    config.credit_kind = credit[i];
+    config.comm_id = st.comm_id;
+    config.rank = rank;
+    config.lanes = lanes;
+    st.channel = std::make_unique<proxy::Channel>(
+        config, remote, engine_, &here_,
+        [](uint64_t) -> proxy::Block { Throw(ErrorCode::kInternal, "DeviceFabric: the device packs its regions"); },
+        mu_, cv_);
+  }
+}
+
+DeviceFabric::~DeviceFabric() {
+  if (pump_) pump_->Drain(timeout_s_ < kDrainBoundS ? timeout_s_ : kDrainBoundS);
+  pump_.reset();
+  if (engine_) {
+    try {
+      engine_->WaitSends(1.0);
+    } catch (const std::exception&) {
+    }
+    engine_->Close();
+  }
+  for (Stream& st : streams_) st.channel.reset();
+}
+
+std::vector<std::string> DeviceFabric::Descriptors() const {
+  std::vector<std::string> out;
+  for (const Stream& st : streams_) out.push_back(st.recv_mr->descriptor().Serialize());
+  return out;
+}
+
+void DeviceFabric::Connect(const std::vector<RemoteEndpoint>& peers, std::function<std::string(int64_t)> name) {
+  Require(!pump_, "DeviceFabric: connected twice");
+  std::vector<const RemoteEndpoint*> by_rank(shape_.num_ranks, nullptr);
+  for (const RemoteEndpoint& e : peers) {
+    Require(e.rank >= 0 && e.rank < shape_.num_ranks && remote_[e.rank] && !by_rank[e.rank],
+            "DeviceFabric: an endpoint for a rank that is not remote, or twice");
+    Require(e.receive.size() == size_t(kFabricStreams), "DeviceFabric: one receive area per stream");
+    by_rank[e.rank] = &e;
+  }
+  std::vector<fabric::PeerId> ids;
+  std::vector<std::vector<fabric::RegionDescriptor>> regions(kFabricStreams);
+  for (int32_t p : streams_[0].channel->remote_ranks()) {
+    const RemoteEndpoint* e = by_rank[p];
+    Require(e != nullptr, "DeviceFabric: no endpoint was published for rank " + std::to_string(p));
+    ids.push_back(engine_->Connect(e->address, timeout_s_));
+    for (int i = 0; i < kFabricStreams; ++i) {
+      regions[i].push_back(fabric::RegionDescriptor::Parse(e->receive[i]));
+      Require(regions[i].back().size == streams_[i].recv->size(),
+              "DeviceFabric: rank " + std::to_string(p) + " registered areas of another size (configs differ?)");
+    }
+  }
+  std::vector<proxy::Pump::Link> links;
+  for (int i = 0; i < kFabricStreams; ++i) {
+    Stream& st = streams_[i];
+    st.channel->Connect(ids, std::move(regions[i]));
+    uint64_t* words = reinterpret_cast<uint64_t*>(st.words->host());
+    links.push_back({st.channel.get(), st.send_mr.get(), words, words + proxy::kBellWords});
+  }
+  pump_ = std::make_unique<proxy::Pump>(std::move(links), timeout_s_, std::move(name));
+}
+
+void DeviceFabric::Fill(KernelArgs& a) const {
+  for (unsigned& w : a.remote) w = 0;
+  a.num_remote = 0;
+  for (int p = 0; p < shape_.num_ranks; ++p) {
+    if (!remote_[p]) continue;
+    a.remote[p >> 5] |= 1u << (p & 31);
+    ++a.num_remote;
+  }
+  for (int i = 0; i < kFabricStreams; ++i) {
+    const Stream& st = streams_[i];
+    FabricArgs& f = a.fab[i];
+    f.send = st.send->device();
+    f.recv = st.recv->device();
+    f.bell = reinterpret_cast<unsigned long long*>(st.words->device());
+    f.bytes = f.bell + proxy::kBellWords;
+    f.region = st.region;
+    f.comm_id = st.comm_id;
+  }
+}
+
+std::string DeviceFabric::Error() const { return pump_ ? pump_->error() : std::string(); }
+
+uint64_t DeviceFabric::BytesAllocated() const {
+  uint64_t total = 0;
+  for (const Stream& st : streams_) total += st.words->size() + st.send->size() + st.recv->size();
+  return total;
+}
+
+std::vector<std::array<int64_t, 3>> DeviceFabric::Trace() const {
+  return pump_ ? pump_->Trace() : std::vector<std::array<int64_t, 3>>{};
+}
+
+}  // namespace jax_moe::cuda

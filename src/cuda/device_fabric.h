@@ -1,0 +1,93 @@
+// The ranks of a device's Communicator that sit on other nodes: reached through the host proxy (proxy::Pump) and the
+// TransferEngine instead of NVLink. Per round stream (dispatch, combine channel 0, 1) the device gets a send area and
+// a receive area of pinned host memory mapped into the GPU (registered with the engine; tcp and shm cannot reach GPU
+// memory), and the bell and byte words the kernels and the pump share (kernels/moe_layout.h, "ranks on other nodes").
+// The pump runs on the engine's progress thread: it sees the bells, posts the regions with immediates, counts the
+// arrivals, raises the flags the receive kernels wait on and returns the credits.
+#pragma once
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "fabric/transfer_engine.h"
+#include "kernels/moe_layout.h"
+#include "proxy/channel.h"
+#include "proxy/pump.h"
+
+namespace jax_moe::cuda {
+
+// Pinned host memory mapped into the GPUs (cudaHostAlloc, zeroed); freed on destruction.
+class PinnedBuffer {
+ public:
+  explicit PinnedBuffer(size_t bytes);
+  ~PinnedBuffer();
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  uint8_t* host() const { return host_; }
+  uint8_t* device() const { return device_; }
+  size_t size() const { return size_; }
+
+ private:
+  uint8_t* host_ = nullptr;
+  uint8_t* device_ = nullptr;
+  size_t size_ = 0;
+};
+
+// One remote rank as the other process published it.
+struct RemoteEndpoint {
+  int rank = 0;
+  std::string address;                  // its engine
+  std::vector<std::string> receive;     // [kFabricStreams] its receive areas' descriptors
+};
+
+class DeviceFabric {
+ public:
+  // remote[p]: rank p is on another node. comm_id: the Communicator's id (its low 14 bits tag the immediates).
+  DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, const std::vector<bool>& remote,
+               const std::string& provider, double timeout_s);
+  ~DeviceFabric();  // drains (bounded), stops the pump, closes the engine, then frees the areas
+  DeviceFabric(const DeviceFabric&) = delete;
+  DeviceFabric& operator=(const DeviceFabric&) = delete;
+
+  std::string Address() const { return engine_->Address(); }
+  std::string provider() const { return engine_->provider(); }
+  std::vector<std::string> Descriptors() const;  // [kFabricStreams] our receive areas
+  // Connects to the remote ranks (every one of them, in any order) and starts the pump; `name(rank)` for errors.
+  void Connect(const std::vector<RemoteEndpoint>& peers, std::function<std::string(int64_t)> name);
+  // The kernels' view: remote mask and areas.
+  void Fill(KernelArgs& a) const;
+  // Empty while the pump serves; else why it stopped.
+  std::string Error() const;
+  ErrorCode ErrorCodeOf() const { return pump_ ? pump_->error_code() : ErrorCode::kInternal; }
+  uint64_t BytesAllocated() const;
+  // Per round of the dispatch stream: when the pump saw the bell, posted, flagged arrival (steady-clock ns).
+  std::vector<std::array<int64_t, 3>> Trace() const;
+
+ private:
+  struct Stream {
+    std::unique_ptr<PinnedBuffer> words;  // bell (kBellWords), then bytes [kFabricLanes][N]
+    std::unique_ptr<PinnedBuffer> send, recv;
+    std::shared_ptr<fabric::MemoryRegion> send_mr, recv_mr;
+    std::unique_ptr<proxy::Channel> channel;
+    uint64_t region = 0;
+    uint32_t comm_id = 0;
+  };
+  MoeShape shape_;
+  int rank_;
+  double timeout_s_;
+  std::vector<bool> remote_;
+  proxy::NoPeersHere here_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  // Members in teardown order, last first: the pump goes before the channels and the engine, the engine before the
+  // memory it registered.
+  std::vector<Stream> streams_;
+  std::shared_ptr<fabric::TransferEngine> engine_;
+  std::unique_ptr<proxy::Pump> pump_;
+};
+
+}  // namespace jax_moe::cuda

@@ -1,0 +1,193 @@
+// The kernels of ranks on other nodes (regions the host proxy moves; layout in moe_layout.h, "ranks on other
+// nodes"): dispatch_send's packing of their regions, and combine_recv's index of where each entry's row sits in the
+// region its expert's rank returned. Launched next to the NVLink kernels of the same half, only when the
+// Communicator has remote ranks.
+#include "kernels/fabric_kernels.h"
+
+#include "kernels/copy.cuh"
+#include "kernels/grid.h"
+#include "kernels/sync.cuh"
+
+namespace jax_moe::cuda {
+namespace {
+
+// The i-th remote rank.
+__device__ __forceinline__ int RemoteRank(const KernelArgs& a, int i) {
+  for (int q = 0; q < a.s.num_ranks; ++q) {
+    if (!IsRemote(a, q)) continue;
+    if (i-- == 0) return q;
+  }
+  return -1;
+}
+
+// Entries per local expert of rank p (first occurrences of valid ids, like every half), into cnt[l] (zeroed here),
+// and their exclusive prefix into off[l + 1]. Ends with a barrier.
+__device__ void CountEntries(const KernelArgs& a, int p, int tokens, const int32_t* idx, int* cnt, int* off) {
+  const MoeShape& s = a.s;
+  const int r = s.experts_per_token, l = s.local_experts;
+  for (int e = threadIdx.x; e < l; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  for (long long i = threadIdx.x; i < static_cast<long long>(tokens) * r; i += blockDim.x) {
+    const int t = static_cast<int>(i / r), k = static_cast<int>(i - static_cast<long long>(t) * r);
+    const int g = SentExpert(idx + static_cast<size_t>(t) * r, k, s.num_experts);
+    if (g >= 0 && g / l == p) atomicAdd(&cnt[g - p * l], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    off[0] = 0;
+    for (int e = 0; e < l; ++e) off[e + 1] = off[e] + cnt[e];
+  }
+  __syncthreads();
+}
+
+// Calls at(t, kf, i) for every token t naming global expert g (kf: its first entry naming g), i = its position among
+// them in token order. Every thread of the block calls it.
+template <typename At>
+__device__ void ForEachTokenOf(int g, int tokens, int r, const int32_t* idx, int* warp_count, At at) {
+  int running = 0;
+  for (int base = 0; base < tokens; base += kThreads) {
+    const int t = base + threadIdx.x;
+    int kf = -1;
+    if (t < tokens) {
+      const int32_t* row = idx + static_cast<size_t>(t) * r;
+      for (int k = r - 1; k >= 0; --k)
+        if (row[k] == g) kf = k;
+    }
+    const int i = BlockRank(kf >= 0, warp_count, running);
+    if (kf >= 0) at(t, kf, i);
+  }
+}
+
+// Block (i, b) of `per_rank` serves the i-th remote rank p. Each block derives p's slot of every token and the list
+// offsets of p's experts itself (one pass over topk_idx), so no block waits for another; block b then writes the lists
+// of p's experts b, b + per_rank, ... and the records of tokens b * kWarps + warp, ... The last block rings the bell.
+__global__ void __launch_bounds__(kThreads)
+    DispatchPackKernel(KernelArgs a, int per_rank, int tokens, const uint8_t* x, const uint8_t* xs, const int32_t* idx) {
+  extern __shared__ int smem[];
+  const MoeShape& s = a.s;
+  const int r = s.experts_per_token, l = s.local_experts;
+  int* slot = smem;                // [max_tokens]: token t's record in p's region, -1 if p gets none of it
+  int* cnt = slot + s.max_tokens;  // [l]
+  int* off = cnt + l;              // [l + 1]
+  __shared__ int warp_count[kWarps];
+  __shared__ int free_ok;
+  const FabricArgs& fab = a.fab[0];
+  const unsigned long long epoch = Local(a)->epoch[kDispatchSend] + 1;
+  const int b = blockIdx.x % per_rank;
+  const int p = RemoteRank(a, blockIdx.x / per_rank);
+  // The NIC must be done with this lane's previous round before it is rewritten.
+  if (threadIdx.x == 0)
+    free_ok = p >= 0 && WaitFabric(a, fab, proxy::kSent, epoch - kFabricLanes, kDispatchAck * kWaitStride + p, 0);
+  __syncthreads();
+  if (free_ok) {  // the same for the whole block
+    CountEntries(a, p, tokens, idx, cnt, off);
+    uint8_t* region = SendRegion(fab, a, epoch, p);
+    int32_t* list = reinterpret_cast<int32_t*>(region + FabricHeaderBytes(s));
+    uint8_t* records = region + FabricRecordsOffset(s);
+    int slots = 0;
+    for (int base = 0; base < tokens; base += kThreads) {
+      const int t = base + threadIdx.x;
+      bool goes = false;
+      if (t < tokens) {
+        for (int k = 0; k < r; ++k) {
+          const int g = SentExpert(idx + static_cast<size_t>(t) * r, k, s.num_experts);
+          goes |= g >= 0 && g / l == p;
+        }
+      }
+      const int at = BlockRank(goes, warp_count, slots);
+      if (t < tokens) slot[t] = at;
+    }
+    for (int e = b; e < l; e += per_rank) {
+      ForEachTokenOf(p * l + e, tokens, r, idx, warp_count,
+                     [&](int t, int kf, int i) { list[off[e] + i] = slot[t] * r + kf; });
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int t = b * kWarps + warp; t < tokens; t += per_rank * kWarps) {
+      if (slot[t] < 0) continue;
+      uint8_t* dst = records + static_cast<size_t>(slot[t]) * s.dispatch_row_bytes();
+      WarpCopy16(dst, x + static_cast<size_t>(t) * s.x_bytes(), s.x_bytes(), lane);
+      if (xs) WarpCopy4(dst + s.x_bytes(), xs + static_cast<size_t>(t) * s.scale_bytes(), s.scale_bytes(), lane);
+    }
+    if (b == 0) {
+      int32_t* counts = proxy::HeaderCounts(reinterpret_cast<proxy::RegionHeader*>(region));
+      for (int e = threadIdx.x; e < l; e += blockDim.x) counts[e] = cnt[e];
+      if (threadIdx.x == 0) {
+        StoreHeader(region, fab, a, epoch, slots);
+        fab.bytes[(epoch % kFabricLanes) * s.num_ranks + p] =
+            FabricRecordsOffset(s) + static_cast<unsigned long long>(slots) * s.dispatch_row_bytes();
+      }
+    }
+  }
+  // Every block's stores reach host memory before the proxy sees the bell (as FinishBlock orders a launch's end).
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    LocalSync* ls = Local(a);
+    if (atomicAdd(&ls->pack_done, 1u) == gridDim.x - 1) {
+      ls->pack_done = 0;
+      __threadfence_system();
+      if (!*reinterpret_cast<volatile int*>(&ls->timed_out)) StoreReleaseSys(fab.bell + proxy::kRung, epoch);
+    }
+  }
+}
+
+// combine_recv's index: for every entry whose expert g sits on a remote rank p, the row of p's combine region that
+// holds it (p returns rows in the order it received them: local expert, then token), and per p the rows it owes.
+// A pure function of topk_idx, so it holds whatever dispatch came before. Block (i, b) as in DispatchPackKernel.
+__global__ void __launch_bounds__(kThreads)
+    CombineIndexKernel(KernelArgs a, int ch, int per_rank, int tokens, const int32_t* idx) {
+  extern __shared__ int smem[];
+  const MoeShape& s = a.s;
+  const int l = s.local_experts;
+  int* cnt = smem;      // [l]
+  int* off = cnt + l;   // [l + 1]
+  __shared__ int warp_count[kWarps];
+  const int b = blockIdx.x % per_rank;
+  const int p = RemoteRank(a, blockIdx.x / per_rank);
+  if (p < 0) return;  // the same for the whole block
+  CountEntries(a, p, tokens, idx, cnt, off);
+  int32_t* fpos = reinterpret_cast<int32_t*>(a.base + a.lay.fpos) + static_cast<size_t>(ch) * s.entries();
+  if (b == 0 && threadIdx.x == 0) reinterpret_cast<int32_t*>(a.base + a.lay.fexp)[ch * s.num_ranks + p] = off[l];
+  for (int e = b; e < l; e += per_rank) {
+    ForEachTokenOf(p * l + e, tokens, s.experts_per_token, idx, warp_count, [&](int t, int kf, int i) {
+      fpos[static_cast<size_t>(t) * s.experts_per_token + kf] = off[e] + i;
+    });
+  }
+}
+
+// Blocks per remote rank: enough for its experts' scans and its tokens' copies, at most 2 blocks per SM in all.
+int PerRank(const KernelArgs& a, int tokens) {
+  int per = (tokens + 2 * kWarps - 1) / (2 * kWarps);
+  if (per < a.s.local_experts) per = a.s.local_experts < 32 ? a.s.local_experts : 32;
+  const int most = 2 * a.num_sms / (a.num_remote > 0 ? a.num_remote : 1);
+  if (per > most) per = most;
+  return per < 1 ? 1 : per;
+}
+
+cudaError_t AllowSmem(const void* kernel, size_t smem) {
+  if (smem <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+}
+
+}  // namespace
+
+cudaError_t LaunchDispatchPack(const KernelArgs& a, int tokens, const void* x, const void* x_scale,
+                               const int32_t* topk_idx, cudaStream_t stream) {
+  const int per = PerRank(a, tokens);
+  const size_t smem = sizeof(int) * (a.s.max_tokens + 2 * a.s.local_experts + 1);
+  if (cudaError_t err = AllowSmem(reinterpret_cast<const void*>(DispatchPackKernel), smem); err != cudaSuccess) return err;
+  DispatchPackKernel<<<per * a.num_remote, kThreads, smem, stream>>>(
+      a, per, tokens, static_cast<const uint8_t*>(x), static_cast<const uint8_t*>(x_scale), topk_idx);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCombineIndex(const KernelArgs& a, int channel, int tokens, const int32_t* topk_idx,
+                               cudaStream_t stream) {
+  const int per = PerRank(a, tokens);
+  const size_t smem = sizeof(int) * (2 * a.s.local_experts + 1);
+  if (cudaError_t err = AllowSmem(reinterpret_cast<const void*>(CombineIndexKernel), smem); err != cudaSuccess) return err;
+  CombineIndexKernel<<<per * a.num_remote, kThreads, smem, stream>>>(a, channel, per, tokens, topk_idx);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_moe::cuda

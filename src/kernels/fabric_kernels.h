@@ -1,0 +1,20 @@
+// Host entry points of the remote-rank kernels (kernels/fabric.cu), called by the halves' launchers.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/moe_layout.h"
+
+namespace jax_moe::cuda {
+
+// The regions of dispatch_send's remote ranks into the send area, then the bell (before the NVLink kernel, which
+// advances the epoch).
+cudaError_t LaunchDispatchPack(const KernelArgs& a, int tokens, const void* x, const void* x_scale,
+                               const int32_t* topk_idx, cudaStream_t stream);
+
+// combine_recv's index of remote rows (before combine_recv's kernel).
+cudaError_t LaunchCombineIndex(const KernelArgs& a, int channel, int tokens, const int32_t* topk_idx,
+                               cudaStream_t stream);
+
+}  // namespace jax_moe::cuda

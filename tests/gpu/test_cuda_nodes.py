@@ -1,0 +1,84 @@
+"""Backend "cuda" across nodes: ranks of other nodes reached through the host proxy and the TransferEngine (tcp, shm)
+instead of NVLink, alone or mixed with NVLink peers in one group. "Nodes" are forced with ranks_per_node on one
+host; several processes may share one GPU, so every case below also runs on a single-GPU machine. Each multi-process
+case runs the shared worker's checks against the NumPy oracle (bf16 and fp8 round trips, several rounds in one
+program forward and backward, gradients)."""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_moe
+from jax_moe.backends.cuda import CudaBackend
+
+_why = CudaBackend.unavailable_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_why is not None, reason=f"backend 'cuda': {_why}")]
+
+if _why is None:
+    from support.helpers import check_roundtrip, mesh_of, random_routing, random_tokens, roundtrip
+    from support.multiprocess import free_port, launch
+
+# Processes sharing a GPU must not each take most of its memory.
+_SHARED = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "JAX_MOE_TIMEOUT_S": "30"}
+
+
+def _gpus() -> int:
+    return len(jax.devices("gpu"))
+
+
+def _run_workers(nproc: int, ranks_per_node: int, provider: str, rng) -> None:
+    gpus = min(_gpus(), 2)
+    port, seed = free_port(), int(rng.integers(1 << 30))
+    env = dict(_SHARED, MP_WORKER_GPUS=str(gpus), JAX_MOE_RANKS_PER_NODE=str(ranks_per_node),
+               JAX_MOE_FABRIC_PROVIDER=provider)
+    outs = launch("mp_worker.py", [(i, nproc, port, 1, "cuda", seed) for i in range(nproc)], timeout_s=400, env=env)
+    for i, out in enumerate(outs):
+        assert f"OK process {i}/{nproc} devices={nproc} backend=cuda" in out, out[-3000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+def test_two_processes_as_two_nodes(provider, rng):
+    """2 processes x 1 GPU, ranks_per_node=1: every byte between the ranks goes through the proxies."""
+    _run_workers(2, 1, provider, rng)
+
+
+@pytest.mark.multiprocess
+def test_four_processes_as_two_nodes_of_two_hybrid(rng):
+    """4 processes as 2 nodes x 2 ranks: NVLink (CUDA IPC) inside a node, the proxy between nodes, in one group."""
+    _run_workers(4, 2, "shm", rng)
+
+
+def test_one_process_driving_two_gpus_as_two_nodes(rng):
+    if _gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    n, e, r, hidden, t = 2, 8, 3, 256, 7
+    for fp8 in (False, True):
+        cfg = jax_moe.MoEConfig(e, r, hidden, t, dispatch_dtype=jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
+        comm = jax_moe.Communicator(cfg, mesh_of(n, platform="gpu"), "ep", backend="cuda", ranks_per_node=1,
+                                    fabric_provider="tcp")
+        info = comm.backend.fabric_info()
+        assert sorted(info) == [0, 1] and all(i["provider"] == "tcp" for i in info.values()), info
+        for _ in range(3):
+            x, scale = random_tokens(rng, n * t, hidden, fp8)
+            idx = random_routing(rng, n, t, r, e, mask=0.2)
+            w = rng.random((n * t, r)).astype(np.float32)
+            check_roundtrip(comm, n, x, idx, w, scale, roundtrip(comm, x, idx, w, scale))
+
+
+@pytest.mark.multiprocess
+def test_a_killed_process_is_named_by_the_other_within_the_timeout():
+    timeout_s = 4.0
+    port = free_port()
+    env = dict(_SHARED, MP_FAILURE_BACKEND="cuda", MP_WORKER_GPUS=str(min(_gpus(), 2)), JAX_MOE_RANKS_PER_NODE="1",
+               JAX_MOE_FABRIC_PROVIDER="tcp")
+    outs = launch("mp_failure_worker.py", [("kill", i, 2, port, timeout_s) for i in range(2)], timeout_s=200,
+                  env=env, may_fail=(1,))
+    m = re.search(r"ERROR after ([0-9.]+) s: (.*)", outs[0])
+    assert m, outs[0][-3000:]
+    assert float(m.group(1)) <= 2 * timeout_s + 2, outs[0][-2000:]
+    assert re.search(r"rank 1 \(process 1|ranks \[1\]", outs[0]), outs[0][-2000:]
