@@ -94,12 +94,15 @@ void RegisterCuda(nb::module_& m) {
   cuda.def(
       "open_fabric",
       [](int64_t id, int ordinal, const std::string& provider) {
-        auto [address, receive] = jax_moe::cuda::OpenFabric(id, ordinal, provider);
+        std::pair<std::string, std::vector<std::string>> opened;
+        {
+          nb::gil_scoped_release release;  // registers the areas, starts the engine
+          opened = jax_moe::cuda::OpenFabric(id, ordinal, provider);
+        }
         std::vector<nb::bytes> areas;
-        for (const std::string& d : receive) areas.emplace_back(d.data(), d.size());
-        return std::make_tuple(nb::bytes(address.data(), address.size()), areas);
+        for (const std::string& d : opened.second) areas.emplace_back(d.data(), d.size());
+        return std::make_tuple(nb::bytes(opened.first.data(), opened.first.size()), areas);
       },
-      nb::call_guard<nb::gil_scoped_release>(),
       "For a device with ranks on other nodes: its engine, areas and host proxy. Returns (engine address, [receive "
       "area descriptor per stream]).");
   cuda.def(
