@@ -32,7 +32,6 @@ else:
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -65,7 +64,8 @@ def main() -> None:
     f = jax.jit(jax.shard_map(lambda x, i: comm.dispatch(x, i).expert_x, mesh=mesh, in_specs=(P("ep"), P("ep")),
                               out_specs=P("ep")))
     f = f.lower(x, idx).compile()  # the time below is the call's alone
-    multihost_utils.sync_global_devices("compiled")
+    from jax._src import distributed  # a barrier without a device collective (NCCL refuses processes sharing a GPU)
+    distributed.global_state.client.wait_at_barrier("mp_failure_worker/compiled", 60_000)
     if proc == 1 and mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if proc == 1 and mode == "exit":
