@@ -16,7 +16,9 @@ def local_expert_of_rows(counts: jax.Array, rows: int) -> jax.Array:
     return jnp.clip(e, 0, counts.shape[0] - 1)
 
 
-def moe_loss_fn(comm, split_halves: bool):
+def moe_loss_fn(comm, split_halves: bool, collective: bool = True):
+    """jit(grad) of the MoE loss over (x, topk_weights, a, b). collective=False: each rank's partial loss is pulled
+    back on its own, with no all-reduce (for processes sharing a GPU, which NCCL refuses): the same gradients."""
     axis = comm.axis_name
 
     def body(x, idx, w, a, b, g):
@@ -27,10 +29,18 @@ def moe_loss_fn(comm, split_halves: bool):
         e = local_expert_of_rows(d.expert_counts, d.expert_x.shape[0])
         y = (d.expert_x.astype(jnp.float32) * a[e] + b[e]).astype(jnp.bfloat16)
         out = comm.combine_recv(comm.combine_send(y, d), w) if split_halves else comm.combine(y, w, d)
-        return jax.lax.psum(jnp.sum(out.astype(jnp.float32) * g), axis)
+        part = jnp.sum(out.astype(jnp.float32) * g)
+        return jax.lax.psum(part, axis) if collective else part[None]
 
-    f = jax.shard_map(body, mesh=comm.mesh, in_specs=(P(axis),) * 6, out_specs=P())
-    return jax.jit(jax.grad(f, argnums=(0, 2, 3, 4)))
+    f = jax.shard_map(body, mesh=comm.mesh, in_specs=(P(axis),) * 6, out_specs=P() if collective else P(axis))
+    if collective:
+        return jax.jit(jax.grad(f, argnums=(0, 2, 3, 4)))
+
+    def pullback(x, idx, w, a, b, g):
+        parts, vjp = jax.vjp(lambda x, w, a, b: f(x, idx, w, a, b, g), x, w, a, b)
+        return vjp(jnp.ones_like(parts))
+
+    return jax.jit(pullback)
 
 
 def dense_loss(x, idx, w, a, b, g, num_experts):
