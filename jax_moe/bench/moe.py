@@ -53,7 +53,123 @@ def _parse(argv):
     p.add_argument("--out", default="bench_out", help="folder for results.json and moe.png")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu-devices", type=int, default=4, help="simulated CPU devices (CPU platform only)")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="cuda: ranks per node (default one node per host); ranks of other nodes go through the host "
+                        "proxy and the TransferEngine")
+    p.add_argument("--provider", default=None, help="TransferEngine provider between nodes (tcp, shm, efa, verbs)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="GPU: run the ranks in this many processes on this host (GPUs shared round-robin; XLA's "
+                        "collectives are skipped where two processes share a GPU, NCCL refuses that)")
     return p.parse_args(argv)
+
+
+# --- several processes -------------------------------------------------------------------------------------------
+_PROC_ENV = "JAX_MOE_BENCH_PROC"
+
+
+def _launch(argv, processes: int) -> int:
+    """Runs this benchmark in `processes` processes of this host (jax.distributed on a local port); process 0 prints
+    and writes the results. Returns process 0's exit status (the others' failures are printed)."""
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    try:
+        gpus = len(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout.split("\n")) - 1
+    except (OSError, subprocess.SubprocessError):
+        gpus = 1
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
+    procs = []
+    for i in range(processes):
+        env_i = dict(env, **{_PROC_ENV: f"{i},{processes},{port},{max(gpus, 1)}"})
+        procs.append(subprocess.Popen([sys.executable, "-m", "jax_moe.bench", "moe", *argv], env=env_i,
+                                      stdout=None if i == 0 else subprocess.PIPE,
+                                      stderr=None if i == 0 else subprocess.STDOUT, text=True))
+    rc = procs[0].wait()
+    for i, p in enumerate(procs[1:], 1):
+        out, _ = p.communicate()
+        if p.returncode:
+            print(f"[moe] process {i} exited with {p.returncode}:\n{out[-3000:]}", file=sys.stderr)
+            rc = rc or p.returncode
+    return rc
+
+
+def _join() -> Optional[tuple[int, int, int]]:
+    """In a process started by _launch: joins the others (one GPU each, round-robin). (process, count, gpus)."""
+    spec = os.environ.get(_PROC_ENV)
+    if not spec:
+        return None
+    proc, nproc, port, gpus = (int(v) for v in spec.split(","))
+    jax.distributed.initialize(f"127.0.0.1:{port}", nproc, proc, local_device_ids=[proc % gpus],
+                               initialization_timeout=120)
+    return proc, nproc, gpus
+
+
+def _place(a, sh):
+    """`a` (the same in every process) with sharding `sh`, each process taking its own shards."""
+    if jax.process_count() == 1:
+        return jax.device_put(a, sh)
+    return jax.make_array_from_callback(a.shape, sh, lambda i: a[i])
+
+
+_gathers = iter(range(1 << 62))
+
+
+def _gather(a) -> np.ndarray:
+    """The global value of `a` in every process, through jax.distributed's key-value store (no device collective)."""
+    if a.is_fully_addressable:
+        return np.asarray(a)
+    import pickle
+
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    key = f"jax_moe/bench/gather/{next(_gathers)}"
+    me = jax.process_index()
+    client.key_value_set_bytes(f"{key}/{me}", pickle.dumps([(sh.index, np.asarray(sh.data))
+                                                             for sh in a.addressable_shards]))
+    out = np.zeros(a.shape, a.dtype)
+    for p in range(jax.process_count()):
+        for index, part in pickle.loads(client.blocking_key_value_get_bytes(f"{key}/{p}", 600_000)):
+            out[index] = part
+    return out
+
+
+def _fabric_breakdown(comm, rounds: int) -> Optional[dict]:
+    """The host proxies' view of the dispatch rounds (every process's trace, steady clock, one host): bell seen ->
+    posted on the sender, sender posted -> arrival flagged on the receiver (the wire, the remote completion and the
+    receiving proxy's pass). Median us over rounds; None without remote ranks."""
+    if not hasattr(comm.backend, "fabric_trace"):
+        return None
+    mine = {str(jax.process_index()): {str(k): v for k, v in comm.backend.fabric_trace(rounds).items()}}
+    import json as _json
+
+    from jax._src import distributed
+
+    client = distributed.global_state.client if jax.process_count() > 1 else None
+    traces = dict(mine)
+    if client is not None:
+        key = f"jax_moe/bench/trace/{next(_gathers)}"
+        client.key_value_set_bytes(f"{key}/{jax.process_index()}", _json.dumps(mine).encode())
+        for p in range(jax.process_count()):
+            traces.update(_json.loads(client.blocking_key_value_get_bytes(f"{key}/{p}", 600_000)))
+    per_gpu = [np.asarray(t, np.int64) for proc in traces.values() for t in proc.values() if len(t)]
+    if len(per_gpu) < 2:
+        return None
+    k = min(len(t) for t in per_gpu)
+    tr = np.stack([t[:k] for t in per_gpu])  # [gpu, round, (seen, posted, flagged)]
+    ok = (tr > 0).all(axis=(0, 2))
+    tr = tr[:, ok]
+    if not tr.shape[1]:
+        return None
+    post = (tr[:, :, 1] - tr[:, :, 0]) / 1e3
+    # With two ranks each one's arrival is the other's post; with more, the latest sender's.
+    arrive = (tr[:, :, 2] - tr[:, :, 1].max(axis=0, keepdims=True)) / 1e3
+    return {"rounds": int(tr.shape[1]), "bell_seen_to_posted_us": float(np.median(post)),
+            "posted_to_remote_flag_us": float(np.median(arrive)),
+            "posted_to_remote_flag_p99_us": float(np.percentile(arrive, 99))}
 
 
 # --- inputs -------------------------------------------------------------------------------------------------------
@@ -203,13 +319,13 @@ def _gpu_run(kind, comm_or_none, mesh, n, l, inputs, iters, unroll, warmup, spli
     specs = (P(axis), None if xs is None else P(axis), P(axis), P(axis))
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(axis), check_vma=False))
     sh = NamedSharding(mesh, P(axis))
-    args = [None if a is None else jax.device_put(a, sh) for a in (x, xs, idx, w)]
+    args = [None if a is None else _place(a, sh) for a in (x, xs, idx, w)]
     for _ in range(warmup):
         jax.block_until_ready(f(*args))
     chunks = []
     for _ in range(max(1, math.ceil(iters / unroll))):
         chunks.append(f(*args))
-    stamps = np.concatenate([np.asarray(c).astype(np.int64) for c in chunks], axis=1)  # [n, iters, 6]
+    stamps = np.concatenate([_gather(c).astype(np.int64) for c in chunks], axis=1)  # [n, iters, 6]
     d = np.diff(stamps, axis=-1) / 1e3  # us: send, recv, expert stand-in, send, recv
     per = {"dispatch_send": d[..., 0], "dispatch_recv": d[..., 1], "combine_send": d[..., 3],
            "combine_recv": d[..., 4]}
@@ -333,6 +449,11 @@ def _plot(results, path):
 
 def main(argv) -> int:
     args = _parse(list(argv))
+    if args.processes > 1 and not os.environ.get(_PROC_ENV):
+        return _launch(list(argv), args.processes)
+    joined = _join()
+    leader = joined is None or joined[0] == 0
+    shared = joined is not None and joined[1] > joined[2]  # processes share a GPU: no NCCL
     try:  # only takes effect before JAX starts its backends; harmless on GPU machines
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     except RuntimeError:
@@ -350,7 +471,7 @@ def main(argv) -> int:
         return 2
     mesh = jax.make_mesh((n,), ("ep",), devices=devices[:n])
     rng = np.random.default_rng(args.seed)
-    bw = _peer_bandwidth(platform, n)
+    bw = _peer_bandwidth(platform, n) if joined is None else None
     print(f"[moe] platform={platform} ranks={n} devices={devices[0].device_kind} backends={backends} "
           f"shapes={shapes} peer bandwidth={bw}", flush=True)
 
@@ -368,7 +489,9 @@ def main(argv) -> int:
 
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "platform": platform,
             "device_kind": devices[0].device_kind, "ranks": n, "jax": jax.__version__, "argv": list(argv),
-            "peer_bandwidth": bw, "times_in": "microseconds; per iteration the max over ranks"}
+            "peer_bandwidth": bw, "times_in": "microseconds; per iteration the max over ranks",
+            "processes": 1 if joined is None else joined[1], "ranks_per_node": args.ranks_per_node,
+            "provider": args.provider}
     results = []
     skipped = set()
     for shape, t, (hidden, e, r, fp8), its in points:
@@ -387,6 +510,8 @@ def main(argv) -> int:
                 continue
             comm = None
             try:
+                if shared and backend.startswith("xla"):
+                    raise jax_moe.BackendUnavailable("processes share a GPU: NCCL refuses XLA's collectives there")
                 if backend == "xla-ragged":
                     if not gpu:
                         raise jax_moe.BackendUnavailable("ragged_all_to_all needs GPU (XLA:CPU lacks it)")
@@ -395,7 +520,10 @@ def main(argv) -> int:
                         print(f"[moe] skip xla-ragged at T={t}: above JAX_MOE_BENCH_RAGGED_MAX_ROWS={limit}")
                         continue
                 else:
-                    comm = jax_moe.Communicator(cfg, mesh, "ep", backend=backend)
+                    options = {}
+                    if backend == "cuda":
+                        options = {"ranks_per_node": args.ranks_per_node, "fabric_provider": args.provider}
+                    comm = jax_moe.Communicator(cfg, mesh, "ep", backend=backend, **options)
             except (jax_moe.BackendUnavailable, ValueError) as err:
                 print(f"[moe] skip backend {backend}: {err}")
                 skipped.add(backend)
@@ -429,6 +557,11 @@ def main(argv) -> int:
                 trace = _trace_summary(comm)
                 if trace:
                     rec["trace_us"] = trace
+                fabric = comm.backend.fabric_info()
+                if fabric:  # ranks on other nodes: which provider and memory, and the proxies' timeline
+                    rec["fabric"] = {str(k): v for k, v in fabric.items()}
+                    rec["fabric_breakdown"] = _fabric_breakdown(comm, 4096)
+                    print(f"[moe] fabric {rec['fabric']} breakdown {rec['fabric_breakdown']}", flush=True)
             sent = token_bytes if backend == "cuda" else disp_bytes
             for phase, nbytes in (("dispatch_send", sent), ("combine_send", comb_bytes)):
                 p50 = stats[phase]["p50"]
@@ -439,7 +572,8 @@ def main(argv) -> int:
                 rec["floor_combine_us"] = comb_bytes / (bw["peer_GBps"] * 1e9) * 1e6
                 rec["floor_dispatch_sent_us"] = sent / (bw["peer_GBps"] * 1e9) * 1e6
             results.append(rec)
-            _write(args.out, meta, results)  # as we go: a run cut short still leaves its numbers
+            if leader:
+                _write(args.out, meta, results)  # as we go: a run cut short still leaves its numbers
             print(f"[moe] {shape:8s} T={t:5d} {backend:10s} dispatch p50 {_fmt(stats['dispatch']['p50'])} us  "
                   f"combine p50 {_fmt(stats['combine']['p50'])} us  ({rec['seconds']:.1f} s)", flush=True)
             del comm
@@ -453,6 +587,8 @@ def main(argv) -> int:
             if best and rec["stats"][phase]["p50"]:
                 rec[f"{phase}_speedup_vs_xla"] = best / rec["stats"][phase]["p50"]
 
+    if not leader:
+        return 0
     header = (f"{'shape':8s} {'T':>5s} {'backend':10s} " + " ".join(f"{p + ' p50/p99':>22s}" for p in PHASES)
               + f" {'disp GB/s':>9s} {'comb GB/s':>9s} {'x vs xla':>9s}")
     print("\n" + header)
