@@ -165,8 +165,9 @@ def _fabric_breakdown(comm, rounds: int) -> Optional[dict]:
     if not tr.shape[1]:
         return None
     post = (tr[:, :, 1] - tr[:, :, 0]) / 1e3
-    # With two ranks each one's arrival is the other's post; with more, the latest sender's.
-    arrive = (tr[:, :, 2] - tr[:, :, 1].max(axis=0, keepdims=True)) / 1e3
+    # A round arrives once the latest other sender's region is in.
+    others = np.stack([np.delete(tr[:, :, 1], i, axis=0).max(axis=0) for i in range(tr.shape[0])])
+    arrive = (tr[:, :, 2] - others) / 1e3
     return {"rounds": int(tr.shape[1]), "bell_seen_to_posted_us": float(np.median(post)),
             "posted_to_remote_flag_us": float(np.median(arrive)),
             "posted_to_remote_flag_p99_us": float(np.percentile(arrive, 99))}
