@@ -89,7 +89,7 @@ __device__ __forceinline__ bool WaitFabric(const KernelArgs& a, const FabricArgs
       *timed_out = 1;
       return false;
     }
-    __nanosleep(64);
+    __nanosleep(256);
   }
   return true;
 }
