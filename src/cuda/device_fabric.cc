@@ -2,9 +2,6 @@
 
 #include <cuda_runtime.h>
 
-#include <sys/mman.h>
-
-#include <cstdlib>
 #include <cstring>
 
 #include "common/error.h"
@@ -19,34 +16,21 @@ constexpr double kDrainBoundS = 5.0;
 
 }  // namespace
 
-PinnedBuffer::PinnedBuffer(size_t bytes) {
-  // Large areas on 2 MiB (transparent huge) pages where the kernel gives them: the GPU reaches host memory through
-  // the IOMMU, and every 4 KiB page it touches is one more translation on the receive kernels' critical path.
-  const size_t align = bytes >= (size_t(1) << 20) ? size_t(2) << 20 : size_t(4096);
-  size_ = (bytes + align - 1) / align * align;
+PinnedBuffer::PinnedBuffer(size_t bytes) : size_(bytes) {
   void* host = nullptr;
-  if (posix_memalign(&host, align, size_) != 0) Throw(ErrorCode::kInternal, "PinnedBuffer: out of host memory");
-  if (align > 4096) madvise(host, size_, MADV_HUGEPAGE);  // a hint: without THP the pages stay 4 KiB
-  std::memset(host, 0, size_);                            // fault every page in before it is pinned
-  if (cudaError_t err = cudaHostRegister(host, size_, cudaHostRegisterMapped | cudaHostRegisterPortable);
-      err != cudaSuccess) {
-    free(host);
-    Check(err, "cudaHostRegister");
-  }
+  Check(cudaHostAlloc(&host, bytes, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
+  host_ = static_cast<uint8_t*>(host);
+  std::memset(host_, 0, bytes);
   void* device = nullptr;
   if (cudaError_t err = cudaHostGetDevicePointer(&device, host, 0); err != cudaSuccess) {
-    cudaHostUnregister(host);
-    free(host);
+    cudaFreeHost(host);
     Check(err, "cudaHostGetDevicePointer");
   }
-  host_ = static_cast<uint8_t*>(host);
   device_ = static_cast<uint8_t*>(device);
 }
 
 PinnedBuffer::~PinnedBuffer() {
-  if (!host_) return;
-  cudaHostUnregister(host_);
-  free(host_);
+  if (host_) cudaFreeHost(host_);
 }
 
 DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, const std::vector<bool>& remote,

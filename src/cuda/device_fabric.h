@@ -20,8 +20,7 @@
 
 namespace jax_moe::cuda {
 
-// Pinned host memory mapped into the GPUs (registered with CUDA, zeroed, on huge pages where possible); freed on
-// destruction.
+// Pinned host memory mapped into the GPUs (cudaHostAlloc, zeroed); freed on destruction.
 class PinnedBuffer {
  public:
   explicit PinnedBuffer(size_t bytes);
