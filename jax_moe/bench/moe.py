@@ -402,10 +402,13 @@ def _peer_bandwidth(platform, n):
         mod, _ = native_module("cuda")
         if mod is None:
             return None
-        devs = jax.devices("gpu")
+        devs = jax.local_devices(backend="gpu")
         size = 256 << 20
         res = {"d2d_local_GBps": mod.peer_copy_bandwidth(devs[0].local_hardware_id, devs[0].local_hardware_id,
                                                            size, 20) / 1e9}
+        # How the GPU reads pinned host memory: the receive kernels of ranks on other nodes read it in place.
+        copy, read = mod.host_read_bandwidth(devs[0].local_hardware_id, 64 << 20, 10)
+        res["h2d_copy_GBps"], res["h2d_kernel_read_GBps"] = copy / 1e9, read / 1e9
         if n > 1 and len(devs) > 1:
             res["peer_GBps"] = mod.peer_copy_bandwidth(devs[0].local_hardware_id, devs[1].local_hardware_id,
                                                        size, 20) / 1e9
@@ -472,7 +475,7 @@ def main(argv) -> int:
         return 2
     mesh = jax.make_mesh((n,), ("ep",), devices=devices[:n])
     rng = np.random.default_rng(args.seed)
-    bw = _peer_bandwidth(platform, n) if joined is None else None
+    bw = _peer_bandwidth(platform, n) if leader else None
     print(f"[moe] platform={platform} ranks={n} devices={devices[0].device_kind} backends={backends} "
           f"shapes={shapes} peer bandwidth={bw}", flush=True)
 

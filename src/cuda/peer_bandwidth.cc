@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/cuda_scope.h"
+#include "kernels/moe_kernels.h"
 
 namespace jax_moe::cuda {
 
@@ -44,6 +45,44 @@ double PeerCopyBandwidth(int src, int dst, size_t bytes, int iters) {
     cudaFree(b);
   }
   return static_cast<double>(bytes) * iters / (ms * 1e-3);
+}
+
+std::pair<double, double> HostReadBandwidth(int ordinal, size_t bytes, int iters) {
+  bytes = bytes / 16 * 16;
+  DeviceScope scope(ordinal);
+  void* host = nullptr;
+  void* mapped = nullptr;
+  void* dev = nullptr;
+  Check(cudaHostAlloc(&host, bytes, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
+  Check(cudaHostGetDevicePointer(&mapped, host, 0), "cudaHostGetDevicePointer");
+  Check(cudaMalloc(&dev, bytes + 64), "cudaMalloc");
+  cudaMemset(dev, 0, bytes + 64);
+  int sms = 1;
+  Check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ordinal), "cudaDeviceGetAttribute");
+  unsigned long long* out = reinterpret_cast<unsigned long long*>(static_cast<char*>(dev) + bytes);
+  cudaStream_t stream;
+  Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  cudaEvent_t start, stop;
+  Check(cudaEventCreate(&start), "cudaEventCreate");
+  Check(cudaEventCreate(&stop), "cudaEventCreate");
+  auto timed = [&](auto&& op) {
+    op();  // warm-up
+    Check(cudaEventRecord(start, stream), "cudaEventRecord");
+    for (int i = 0; i < iters; ++i) op();
+    Check(cudaEventRecord(stop, stream), "cudaEventRecord");
+    Check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float ms = 0;
+    Check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    return static_cast<double>(bytes) * iters / (ms * 1e-3);
+  };
+  const double copy = timed([&] { Check(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync"); });
+  const double read = timed([&] { Check(LaunchReadFold(mapped, bytes, out, 4 * sms, stream), "ReadFold"); });
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaStreamDestroy(stream);
+  cudaFree(dev);
+  cudaFreeHost(host);
+  return {copy, read};
 }
 
 }  // namespace jax_moe::cuda

@@ -28,6 +28,9 @@ cudaError_t LaunchCombineSend(const KernelArgs& a, int channel, const void* expe
 cudaError_t LaunchCombineRecv(const KernelArgs& a, int channel, int tokens, const float* topk_weights,
                               const int32_t* topk_idx, const void* expert_y, void* out, cudaStream_t stream);
 
+// Reads `bytes` (a multiple of 16) of src once with `blocks` blocks (the benchmark's host-read bandwidth).
+cudaError_t LaunchReadFold(const void* src, size_t bytes, unsigned long long* out, int blocks, cudaStream_t stream);
+
 // Writes %globaltimer (ns) into out[0]: a device-side time stamp for benchmarks.
 cudaError_t LaunchTimestamp(uint64_t* out, cudaStream_t stream);
 
