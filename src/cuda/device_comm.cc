@@ -196,6 +196,16 @@ std::pair<std::string, std::vector<std::string>> OpenFabric(int64_t id, int ordi
   auto dev = MustFind(id, ordinal);
   Require(!dev->fabric, "jax_moe cuda: the fabric of a device is opened once");
   Require(!dev->remote.empty(), "jax_moe cuda: connect the device before opening its fabric");
+  // The pack kernel keeps a slot per token in shared memory.
+  int smem = 0;
+  Check(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, ordinal), "cudaDeviceGetAttribute");
+  const MoeShape& s = dev->args.s;
+  if (sizeof(int) * (size_t(s.max_tokens) + 2 * size_t(s.local_experts) + 1) + 1024 > size_t(smem)) {
+    Throw(ErrorCode::kInvalidArgument, "jax_moe cuda: max_tokens " + std::to_string(s.max_tokens) +
+                                           " is too large for ranks on other nodes on this GPU (the pack kernel "
+                                           "keeps one int per token in its " + std::to_string(smem) +
+                                           " bytes of shared memory)");
+  }
   DeviceScope scope(ordinal);
   dev->fabric = std::make_unique<DeviceFabric>(dev->args.s, dev->args.rank, static_cast<uint32_t>(id), dev->remote,
                                                provider, dev->timeout_s);

@@ -37,16 +37,17 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     if (threadIdx.x < n && IsRemote(a, threadIdx.x)) {  // rows go back expert after expert, as q sent them
       const int q = threadIdx.x;
-      int at = 0;
+      long long at = 0;  // a route not from dispatch_recv may hold anything: 64-bit sums, clamped to C
       for (int e = 0; e < s.local_experts; ++e) {
-        const int f = e * n + q, c = sstart[f + 1] - sstart[f];
-        qoff[f] = at;
+        const int f = e * n + q;
+        const long long c = static_cast<long long>(sstart[f + 1]) - sstart[f];
+        qoff[f] = static_cast<int>(at < s.rows_per_peer() ? at : s.rows_per_peer());
         at += c > 0 ? c : 0;
       }
-      if (at > s.rows_per_peer()) at = static_cast<int>(s.rows_per_peer());  // a route not from dispatch_recv
+      if (at > s.rows_per_peer()) at = s.rows_per_peer();
       if (blockIdx.x == 0 && free_ok) {
         uint8_t* region = SendRegion(fab, a, epoch, q);
-        StoreHeader(region, fab, a, epoch, at);
+        StoreHeader(region, fab, a, epoch, static_cast<int>(at));
         fab.bytes[(epoch % kFabricLanes) * n + q] = FabricHeaderBytes(s) + static_cast<unsigned long long>(at) * s.combine_row_bytes();
       }
     }

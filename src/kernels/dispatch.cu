@@ -153,15 +153,15 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   // A remote sender's list holds its entries expert after expert: block (e, q) starts after q's earlier experts.
   if (threadIdx.x < n && IsRemote(a, threadIdx.x)) {
-    int at = 0;
+    long long at = 0;  // counts are <= max_tokens each: the sum is checked against C below, int64 until then
     for (int e = 0; e < l; ++e) {
-      loff[e * n + threadIdx.x] = at;
+      loff[e * n + threadIdx.x] = at > s.rows_per_peer() ? static_cast<int>(s.rows_per_peer()) : static_cast<int>(at);
       at += start[e * n + threadIdx.x + 1];
     }
   }
   // A sender whose counts add up to more than it may send is ignored (never read or write out of bounds).
   if (threadIdx.x < n) {
-    int sum = 0;
+    long long sum = 0;
     for (int e = 0; e < l; ++e) sum += start[e * n + threadIdx.x + 1];
     if (sum > s.rows_per_peer()) {
       RaiseError(a, kBadPeerData, threadIdx.x);

@@ -97,6 +97,7 @@ __global__ void __launch_bounds__(kThreads)
       const int at = BlockRank(goes, warp_count, slots);
       if (t < tokens) slot[t] = at;
     }
+    __syncthreads();  // every slot written before any warp follows another's (the lists and records below)
     for (int e = b; e < l; e += per_rank) {
       ForEachTokenOf(p * l + e, tokens, r, idx, warp_count,
                      [&](int t, int kf, int i) { list[off[e] + i] = slot[t] * r + kf; });
