@@ -407,8 +407,9 @@ def _peer_bandwidth(platform, n):
         res = {"d2d_local_GBps": mod.peer_copy_bandwidth(devs[0].local_hardware_id, devs[0].local_hardware_id,
                                                            size, 20) / 1e9}
         # How the GPU reads pinned host memory: the receive kernels of ranks on other nodes read it in place.
-        copy, read = mod.host_read_bandwidth(devs[0].local_hardware_id, 64 << 20, 10)
+        copy, read, fresh = mod.host_read_bandwidth(devs[0].local_hardware_id, 64 << 20, 10)
         res["h2d_copy_GBps"], res["h2d_kernel_read_GBps"] = copy / 1e9, read / 1e9
+        res["h2d_kernel_read_after_cpu_write_GBps"] = fresh / 1e9
         if n > 1 and len(devs) > 1:
             res["peer_GBps"] = mod.peer_copy_bandwidth(devs[0].local_hardware_id, devs[1].local_hardware_id,
                                                        size, 20) / 1e9

@@ -175,7 +175,8 @@ void RegisterCuda(nb::module_& m) {
   cuda.def("peer_copy_bandwidth", &jax_moe::cuda::PeerCopyBandwidth,
            "cudaMemcpyPeerAsync bytes/s from device src to dst (src == dst: a device-local copy).");
   cuda.def("host_read_bandwidth", &jax_moe::cuda::HostReadBandwidth, nb::call_guard<nb::gil_scoped_release>(),
-           "(copy engine, kernel in place) bytes/s at which device `ordinal` reads pinned host memory.");
+           "(copy engine, kernel in place, kernel in place after the CPU wrote it) bytes/s at which device "
+           "`ordinal` reads pinned host memory.");
 }
 
 }  // namespace
