@@ -73,6 +73,8 @@ def test_a_device_announcing_more_than_a_region_stops_its_pump(tmp_path):
     if "tcp" not in AVAILABLE:
         pytest.skip("libfabric provider tcp not built in")
     results = run_ranks(tmp_path, 3, "tcp", rounds=3, mode="overflow")
-    assert results[1]["rounds"] == 1 and "more than a region holds" in results[1]["error"], results[1]
+    # Rank 1 may still finish round 2: its pump flags the others' round-2 regions as they arrive, possibly before the
+    # pass that finds the bad announcement. Its own round 2 never leaves.
+    assert results[1]["rounds"] in (1, 2) and "more than a region holds" in results[1]["error"], results[1]
     for r in (0, 2):
         assert results[r]["rounds"] == 1 and "no data from rank 1 within 5 s (round 2)" in results[r]["error"], results
