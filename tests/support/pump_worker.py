@@ -60,6 +60,7 @@ def main():
     try:
         for k in range(1, rounds + 1):
             if mode == "kill" and rank == n - 1 and k == 3:
+                wait(pr, pt.SENT, k - 1, "sent")  # its round 2 has left (so the others fail at round 3, not 2)
                 os._exit(0)  # dies without a word: the others must fail within the timeout, naming it
             wait(pr, pt.SENT, k - LANES, "sent")  # the send lane of round k is free again
             for p in range(n):
