@@ -1,9 +1,9 @@
 """One process of a multi-process run: `python mp_worker.py PROC NPROC PORT DEVICES_PER_PROC BACKEND SEED`
 (started by support.multiprocess.launch).
 
-Every process builds the same global inputs from SEED, runs dispatch -> experts -> combine (twice: epochs across
-processes) and its gradient over all processes' devices, gathers the results and checks them against the NumPy
-oracle. Prints OK on success. BACKEND "cuda" runs on GPUs, one per process (GPU PROC); the others on CPU devices.
+Every process builds the same global inputs from SEED, runs dispatch -> experts -> combine (three rounds: random
+routing, fewer tokens than max_tokens, skewed; epochs across processes) and its gradient over all processes'
+devices, gathers the results and checks them against the NumPy oracle. Prints OK on success. BACKEND "cuda" runs on GPUs, one per process (GPU PROC); the others on CPU devices.
 """
 from __future__ import annotations
 
@@ -94,10 +94,11 @@ def main() -> None:
         cfg = jax_moe.MoEConfig(e, r, hidden, t, dispatch_dtype=jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
         comm = jax_moe.Communicator(cfg, mesh, "ep", backend=backend)
         comms.append(comm)
-        for _ in range(2):
-            x, scale = random_tokens(rng, n * t, hidden, fp8)
-            idx = random_routing(rng, n, t, r, e, mask=0.2)
-            w = rng.random((n * t, r)).astype(np.float32)
+        for variant in ("random", "partial", "skewed"):  # successive rounds: epochs too
+            tt = t - 2 if variant == "partial" else t  # fewer tokens than max_tokens
+            x, scale = random_tokens(rng, n * tt, hidden, fp8)
+            idx = random_routing(rng, n, tt, r, e, mask=0.2, skew=variant == "skewed")
+            w = rng.random((n * tt, r)).astype(np.float32)
             outs = [gather(o) for o in roundtrip(comm, x, idx, w, scale)]
             check_roundtrip(comm, n, x, idx, w, scale, outs)
         # Several rounds in one program, forward and backward (micro-batch accumulation sums the weights' gradients
