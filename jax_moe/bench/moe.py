@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe
-from jax_moe import payload
+from jax_moe import multihost, payload
 from jax_moe.backends import cpu as cpu_backend
 from jax_moe.backends import cuda as cuda_backend
 from jax_moe.backends.native import native_module
@@ -107,55 +107,14 @@ def _join() -> Optional[tuple[int, int, int]]:
     return proc, nproc, gpus
 
 
-def _place(a, sh):
-    """`a` (the same in every process) with sharding `sh`, each process taking its own shards."""
-    if jax.process_count() == 1:
-        return jax.device_put(a, sh)
-    return jax.make_array_from_callback(a.shape, sh, lambda i: a[i])
-
-
-_gathers = iter(range(1 << 62))
-
-
-def _gather(a) -> np.ndarray:
-    """The global value of `a` in every process, through jax.distributed's key-value store (no device collective)."""
-    if a.is_fully_addressable:
-        return np.asarray(a)
-    import pickle
-
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    key = f"jax_moe/bench/gather/{next(_gathers)}"
-    me = jax.process_index()
-    client.key_value_set_bytes(f"{key}/{me}", pickle.dumps([(sh.index, np.asarray(sh.data))
-                                                             for sh in a.addressable_shards]))
-    out = np.zeros(a.shape, a.dtype)
-    for p in range(jax.process_count()):
-        for index, part in pickle.loads(client.blocking_key_value_get_bytes(f"{key}/{p}", 600_000)):
-            out[index] = part
-    return out
-
-
 def _fabric_breakdown(comm, rounds: int) -> Optional[dict]:
     """The host proxies' view of the dispatch rounds (every process's trace, steady clock, one host): bell seen ->
     posted on the sender, sender posted -> arrival flagged on the receiver (the wire, the remote completion and the
     receiving proxy's pass). Median us over rounds; None without remote ranks."""
     if not hasattr(comm.backend, "fabric_trace"):
         return None
-    mine = {str(jax.process_index()): {str(k): v for k, v in comm.backend.fabric_trace(rounds).items()}}
-    import json as _json
-
-    from jax._src import distributed
-
-    client = distributed.global_state.client if jax.process_count() > 1 else None
-    traces = dict(mine)
-    if client is not None:
-        key = f"jax_moe/bench/trace/{next(_gathers)}"
-        client.key_value_set_bytes(f"{key}/{jax.process_index()}", _json.dumps(mine).encode())
-        for p in range(jax.process_count()):
-            traces.update(_json.loads(client.blocking_key_value_get_bytes(f"{key}/{p}", 600_000)))
-    per_gpu = [np.asarray(t, np.int64) for proc in traces.values() for t in proc.values() if len(t)]
+    traces = multihost.share(comm.backend.fabric_trace(rounds))  # per process: {gpu: [(seen, posted, flagged)]}
+    per_gpu = [np.asarray(t, np.int64) for proc in traces for t in proc.values() if len(t)]
     if len(per_gpu) < 2:
         return None
     k = min(len(t) for t in per_gpu)
@@ -320,13 +279,13 @@ def _gpu_run(kind, comm_or_none, mesh, n, l, inputs, iters, unroll, warmup, spli
     specs = (P(axis), None if xs is None else P(axis), P(axis), P(axis))
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(axis), check_vma=False))
     sh = NamedSharding(mesh, P(axis))
-    args = [None if a is None else _place(a, sh) for a in (x, xs, idx, w)]
+    args = [None if a is None else multihost.place(a, sh) for a in (x, xs, idx, w)]
     for _ in range(warmup):
         jax.block_until_ready(f(*args))
     chunks = []
     for _ in range(max(1, math.ceil(iters / unroll))):
         chunks.append(f(*args))
-    stamps = np.concatenate([_gather(c).astype(np.int64) for c in chunks], axis=1)  # [n, iters, 6]
+    stamps = np.concatenate([multihost.gather(c).astype(np.int64) for c in chunks], axis=1)  # [n, iters, 6]
     d = np.diff(stamps, axis=-1) / 1e3  # us: send, recv, expert stand-in, send, recv
     per = {"dispatch_send": d[..., 0], "dispatch_recv": d[..., 1], "combine_send": d[..., 3],
            "combine_recv": d[..., 4]}

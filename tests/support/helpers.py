@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe
+from jax_moe import multihost
 from jax_moe.backends.cuda import CudaBackend
 from support import oracle
 
@@ -60,7 +61,7 @@ def random_tokens(rng: np.random.Generator, rows: int, hidden: int, fp8: bool, b
 
 def shard(mesh, *arrays):
     sh = NamedSharding(mesh, P(mesh.axis_names[0]))
-    return [None if a is None else _put(a, sh) for a in arrays]
+    return [None if a is None else multihost.place(a, sh) for a in arrays]
 
 
 def split(a: np.ndarray, n: int) -> list[np.ndarray]:
@@ -94,16 +95,8 @@ def run(comm: jax_moe.Communicator, fn, *args, out_specs=None):
     specs = tuple(None if a is None else P(axis) for a in args)
     f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_specs or P(axis)))
     sh = NamedSharding(mesh, P(axis))
-    return f(*[None if a is None else _put(a, sh) for a in args])
-
-
-def _put(a, sh: NamedSharding) -> jax.Array:
-    """`a` (the same on every process) placed with sharding `sh`. Across processes each takes its own shards: jax's
-    device_put would first compare the processes' values with a collective (NCCL refuses processes sharing a GPU)."""
-    if jax.process_count() == 1:
-        return jax.device_put(a, sh)
-    a = np.asarray(a)
-    return jax.make_array_from_callback(a.shape, sh, lambda i: a[i])
+    # Across processes each takes its own shards (jax_moe.multihost): processes may share a GPU.
+    return f(*[None if a is None else multihost.place(a, sh) for a in args])
 
 
 def expert_fn(expert_x: jax.Array, counts: jax.Array, comm: jax_moe.Communicator) -> jax.Array:

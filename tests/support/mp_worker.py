@@ -8,9 +8,7 @@ devices, gathers the results and checks them against the NumPy oracle. Prints OK
 from __future__ import annotations
 
 import faulthandler
-import itertools
 import os
-import pickle
 import sys
 
 import jax
@@ -36,33 +34,17 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 import jax_moe  # noqa: E402
+from jax_moe import multihost  # noqa: E402
 from support.grads import check_grads, grad_problem, moe_loss_fn  # noqa: E402
 from support.helpers import check_roundtrip, random_routing, random_tokens, roundtrip  # noqa: E402
 from support.program_shapes import run_all  # noqa: E402
 
 
-_gathers = itertools.count()
-
-
-def kv_gather(a):
-    """The global value of `a`, assembled from every process's shards through the key-value store."""
-    from jax._src import distributed
-    client = distributed.global_state.client
-    key = f"mp_worker/gather/{next(_gathers)}"
-    client.key_value_set_bytes(f"{key}/{proc}", pickle.dumps([(s.index, np.asarray(s.data))
-                                                               for s in a.addressable_shards]))
-    out = np.zeros(a.shape, a.dtype)
-    for p in range(int(nproc)):
-        for index, part in pickle.loads(client.blocking_key_value_get_bytes(f"{key}/{p}", 120_000)):
-            out[index] = part
-    return out
-
-
 def gather(a):
     if a is None:
         return None
-    if SHARED_GPUS:
-        return kv_gather(a)
+    if SHARED_GPUS:  # through the key-value store: NCCL refuses processes sharing a GPU
+        return multihost.gather(a, timeout_s=120)
     return np.asarray(multihost_utils.process_allgather(a, tiled=True))
 
 
