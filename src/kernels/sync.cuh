@@ -70,26 +70,52 @@ __device__ __forceinline__ bool WaitAtLeast(const KernelArgs& a, const unsigned 
   return true;
 }
 
-// WaitAtLeast on a pump's bell word in host-mapped memory: also gives up when the pump stopped (kError), and naps
-// between polls, since every poll is a PCIe read (one thread per block polls).
+// WaitAtLeast on a pump's bell word (kSent or kArrived) in host-mapped memory: also gives up when the pump stopped
+// (kError). Only block 0 polls host memory, napping between polls; it copies what it saw into LocalSync::fab_seen,
+// which the other blocks poll in device memory. Every block polling over PCIe flooded the link that the receive
+// kernels read their rows through (70x below its bandwidth with two processes on one GPU). A block that sees the
+// copy re-reads the host word once with system-scope acquire, so the proxy's writes before it are visible to it.
 __device__ __forceinline__ bool WaitFabric(const KernelArgs& a, const FabricArgs& f, int word, unsigned long long want,
                                            int which, int stream) {
-  if (LoadAcquireSys(f.bell + word) >= want) return true;
+  unsigned long long* seen = &Local(a)->fab_seen[stream][word == proxy::kSent ? 0 : 1];
+  const unsigned long long* host = f.bell + word;
+  if (LoadAcquireSys(seen) >= want && LoadAcquireSys(host) >= want) return true;
   volatile int* timed_out = &Local(a)->timed_out;
   if (*timed_out) return false;
   const unsigned long long start = GlobalTimer();
-  while (LoadAcquireSys(f.bell + word) < want) {
-    if (LoadAcquireSys(f.bell + proxy::kError) != 0) {
-      RaiseError(a, kProxyFailed, stream);
-      *timed_out = 1;
-      return false;
+  if (blockIdx.x == 0) {
+    unsigned long long v;
+    while ((v = LoadAcquireSys(host)) < want) {
+      if (LoadAcquireSys(f.bell + proxy::kError) != 0) {
+        RaiseError(a, kProxyFailed, stream);
+        *timed_out = 1;
+        return false;
+      }
+      if (static_cast<long long>(GlobalTimer() - start) > a.timeout_ns) {
+        RaiseError(a, kTimeout, which);
+        *timed_out = 1;
+        return false;
+      }
+      __nanosleep(256);
     }
+    atomicMax(seen, v);
+    return true;
+  }
+  while (LoadAcquireSys(seen) < want) {
+    if (*timed_out) return false;  // block 0 gave up and raised the error
     if (static_cast<long long>(GlobalTimer() - start) > a.timeout_ns) {
       RaiseError(a, kTimeout, which);
       *timed_out = 1;
       return false;
     }
-    __nanosleep(256);
+    __nanosleep(64);
+  }
+  while (LoadAcquireSys(host) < want) {  // seen first through block 0's copy: normally true at the first read
+    if (static_cast<long long>(GlobalTimer() - start) > a.timeout_ns) {
+      RaiseError(a, kTimeout, which);
+      *timed_out = 1;
+      return false;
+    }
   }
   return true;
 }
@@ -117,11 +143,15 @@ __device__ __forceinline__ bool HeaderOk(const proxy::RegionHeader& h, const Fab
          h.error == 0 && h.rows >= 0 && h.rows <= max_rows;
 }
 
+// Three independent 16-byte loads (the header is 40 bytes; the region's header area is 64-byte aligned and at least
+// 64 bytes), not ten dependent 4-byte ones: each is a PCIe round trip when the region is in host memory.
 __device__ __forceinline__ proxy::RegionHeader LoadHeader(const uint8_t* region) {
+  static_assert(sizeof(proxy::RegionHeader) <= 48, "LoadHeader reads 48 bytes");
+  int4 v[3];
+#pragma unroll
+  for (int i = 0; i < 3; ++i) v[i] = __ldcv(reinterpret_cast<const int4*>(region) + i);
   proxy::RegionHeader h;
-  const volatile uint32_t* src = reinterpret_cast<const volatile uint32_t*>(region);
-  uint32_t* dst = reinterpret_cast<uint32_t*>(&h);
-  for (int i = 0; i < int(sizeof(h) / 4); ++i) dst[i] = src[i];
+  memcpy(&h, v, sizeof(h));
   return h;
 }
 

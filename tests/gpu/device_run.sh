@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call verifies a commit on the lent GPU machine (docs/cuda.md, "Verification"):
 #   bash tests/gpu/device_run.sh [STAGES] [bench args...]
-# STAGES: comma-separated from build, cpu, gpu, demo, bench (default: build,cpu,gpu,demo). The full build uses the
+# STAGES: comma-separated from build, cpu, gpu, demo, bench, nodes (default: build,cpu,gpu,demo). The full build uses the
 # libfabric headers carried in third_party_headers/libfabric (the image has the runtime only). Logs go to $OUT (or
 # ./gpu_out); the last lines printed are "SUMMARY ..." lines, one per stage. NVLink multicast stays off.
 set -o pipefail
@@ -64,5 +64,16 @@ if has demo; then  # the README's demo on the GPUs: backend "auto" picks "cuda"
 fi
 if has bench; then
   stage bench ${BENCH_LIMIT_S:-400} python3 -m jax_moe.bench moe --out "$OUT/bench" "$@"
+fi
+if has nodes; then  # ranks on other nodes (issue 13) on one GPU: two processes under MPS with half the SMs each
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/jax_moe_mps CUDA_MPS_LOG_DIRECTORY=/tmp/jax_moe_mps_log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d
+  for provider in ${NODES_PROVIDERS:-shm tcp}; do
+    stage "nodes_$provider" 200 env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_CUDA_TRACE=1 \
+      python3 -m jax_moe.bench moe --backend cuda --shape "${NODES_SHAPE:-decode}" --iters 200 --processes 2 \
+      --ranks-per-node 1 --provider "$provider" --out "$OUT/nodes_$provider"
+  done
+  echo quit | nvidia-cuda-mps-control
 fi
 printf '%s\n' "${summary[@]}"
