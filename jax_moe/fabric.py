@@ -179,6 +179,12 @@ class TransferEngine:
         self._peer_sets[ps] = len(peers)
         return ps
 
+    def destroy_peer_set(self, ps: int) -> None:
+        """Forgets peer set `ps` (its id is never reused); its writes still in flight complete as usual."""
+        self._set_size(ps)
+        self._eng.destroy_peer_set(int(ps))
+        del self._peer_sets[int(ps)]
+
     # -- transfers --------------------------------------------------------------------------------
     def _region(self, mr) -> object:
         if not isinstance(mr, MemoryRegion) or mr._engine is not self:
@@ -239,6 +245,17 @@ class TransferEngine:
         self._eng.wait_sends(_timeout(timeout_s))
 
     # -- misc -------------------------------------------------------------------------------------
+    def sends_in_flight(self, peer_set: Optional[int] = None) -> int:
+        """Writes posted and not yet completed: all of them, or those posted through `peer_set`."""
+        if peer_set is not None:
+            self._set_size(peer_set)
+            return int(self._eng.sends_in_flight(int(peer_set)))
+        return int(self._eng.sends_in_flight())
+
+    def discard_imms(self, mask: int, value: int) -> int:
+        """Drops every banked immediate v with v & mask == value; returns how many were dropped."""
+        return int(self._eng.discard_imms(int(mask) & 0xFFFFFFFF, int(value) & 0xFFFFFFFF))
+
     def peers(self) -> list:
         return list(self._eng.peers())
 

@@ -45,6 +45,17 @@ def test_every_round_arrives_intact_through_the_pump(tmp_path, provider):
         assert res == {"rank": r, "rounds": 12, "error": "", "bad_regions": []}
 
 
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+def test_two_communicators_share_one_engine(tmp_path, provider):
+    """A GPU's Communicators share its engine (one proxy thread per GPU): their pumps run side by side as hooks of
+    its progress thread, and each sees exactly its own rounds, in whatever order the two are rung."""
+    if provider not in AVAILABLE:
+        pytest.skip(f"libfabric provider {provider} not built in")
+    results = run_ranks(tmp_path, 3, provider, rounds=9, mode="shared")
+    for r, res in results.items():
+        assert res == {"rank": r, "rounds": 9, "error": "", "bad_regions": []}
+
+
 def test_a_killed_peer_fails_the_survivors_within_the_timeout(tmp_path):
     if "tcp" not in AVAILABLE:
         pytest.skip("libfabric provider tcp not built in")

@@ -6,9 +6,9 @@
 #include <chrono>
 #include <map>
 
-#include "cpu/engine_pool.h"
 #include "cpu/rank_state.h"
 #include "cpu/same_process.h"
+#include "proxy/engine_pool.h"
 #include "proxy/imm.h"
 #include "proxy/region_header.h"
 
@@ -80,7 +80,7 @@ CpuComm::CpuComm(const CommOptions& options, const std::vector<RankInfo>& table,
     setup(rank->dispatch, "dispatch", true, s.dispatch_row_bytes());
     setup(rank->combine, "combine", false, s.combine_row_bytes());
     if (remote) {
-      rank->engine = AcquireEngine(rank->info.device_id, options_.provider);
+      rank->engine = proxy::AcquireEngine("cpu:" + std::to_string(rank->info.device_id), options_.provider);
       Require(rank->engine->max_imm() == UINT32_MAX,
               "CpuComm: the fabric provider carries " + std::to_string(rank->engine->max_imm()) +
                   " as its largest immediate; the cpu backend needs 32-bit immediates");
@@ -269,7 +269,7 @@ void ReleaseAllComms() {
   }
   // Drains run one after the other, each bounded; then the engines nobody holds any more are closed at once.
   all.clear();
-  CloseIdleEngines();
+  proxy::CloseIdleEngines();
 }
 
 }  // namespace jax_moe::cpu

@@ -208,7 +208,7 @@ std::pair<std::string, std::vector<std::string>> OpenFabric(int64_t id, int ordi
   }
   DeviceScope scope(ordinal);
   dev->fabric = std::make_unique<DeviceFabric>(dev->args.s, dev->args.rank, static_cast<uint32_t>(id), dev->remote,
-                                               provider, dev->timeout_s);
+                                               ordinal, provider, dev->timeout_s);
   return {dev->fabric->Address(), dev->fabric->Descriptors()};
 }
 
@@ -288,7 +288,7 @@ void DestroyComm(int64_t id) {
   }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(bound_ns);
   for (const auto& [ordinal, dev] : doomed) AwaitPeerAcks(*dev, deadline);
-  for (const auto& [ordinal, dev] : doomed) dev->fabric.reset();  // drains its credits (bounded), then closes
+  for (const auto& [ordinal, dev] : doomed) dev->fabric.reset();  // drains its credits (bounded), then lets go
   cudaSetDevice(previous);
   doomed.clear();
 }
@@ -300,6 +300,7 @@ void DestroyAllComms() {
     for (const auto& [id, devices] : Registry()) ids.push_back(id);
   }
   for (int64_t id : ids) DestroyComm(id);
+  proxy::CloseIdleEngines();  // the GPUs' engines, before libfabric finalizes
 }
 
 std::shared_ptr<const DeviceComm> FindDevice(int64_t id, int ordinal) { return Lookup(id, ordinal); }

@@ -2,7 +2,13 @@
 
 #include <cuda_runtime.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
 
 #include "common/error.h"
 #include "cuda/cuda_scope.h"
@@ -13,6 +19,36 @@ namespace {
 
 // Credits still owed to us are waited for at most this long when the fabric goes.
 constexpr double kDrainBoundS = 5.0;
+constexpr uint32_t kIdMask = 0x3fff;  // bit 14 tells the combine channels apart, bit 15 is beyond the immediates
+
+// The immediate ids of the fabrics alive in this process: they share their GPU's engine, so two with the same id would
+// count each other's arrivals.
+std::mutex& LiveMu() {
+  static std::mutex* mu = new std::mutex;
+  return *mu;
+}
+std::set<uint32_t>& LiveIds() {
+  static std::set<uint32_t>* ids = new std::set<uint32_t>;
+  return *ids;
+}
+
+// $JAX_MOE_PROXY_CPUS="c0,c1,...": the progress thread of GPU i's engine runs on core c[i % count]; unset: not pinned.
+int ProxyCpu(int ordinal) {
+  const char* env = std::getenv("JAX_MOE_PROXY_CPUS");
+  if (env == nullptr || *env == 0) return -1;
+  std::vector<int> cpus;
+  std::stringstream in(env);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    char* end = nullptr;
+    const long v = std::strtol(item.c_str(), &end, 10);
+    Require(end != item.c_str() && *end == 0 && v >= 0,
+            "JAX_MOE_PROXY_CPUS must be a comma-separated list of core numbers, got \"" + std::string(env) + "\"");
+    cpus.push_back(int(v));
+  }
+  Require(!cpus.empty(), "JAX_MOE_PROXY_CPUS is empty");
+  return cpus[size_t(ordinal) % cpus.size()];
+}
 
 }  // namespace
 
@@ -34,19 +70,37 @@ PinnedBuffer::~PinnedBuffer() {
 }
 
 DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, const std::vector<bool>& remote,
-                           const std::string& provider, double timeout_s)
-    : shape_(shape), rank_(rank), timeout_s_(timeout_s), remote_(remote) {
+                           int ordinal, const std::string& provider, double timeout_s)
+    : shape_(shape), rank_(rank), timeout_s_(timeout_s), remote_(remote), id_(comm_id & kIdMask) {
   const int64_t n = shape.num_ranks;
   Require(int64_t(remote.size()) == n && !remote[rank], "DeviceFabric: one entry per rank, not this one");
   Require(n <= proxy::kMaxRanks, "DeviceFabric: too many ranks for the immediates");
-  fabric::EngineOptions options;
-  options.provider = provider;
-  options.busy_poll = true;  // the proxy thread of a GPU spins: every microsecond it naps is on the data path
-  engine_ = std::make_shared<fabric::TransferEngine>(options);
-  Require(engine_->max_imm() == UINT32_MAX, "DeviceFabric: the fabric provider does not carry 32-bit immediates");
+  {
+    std::lock_guard<std::mutex> lock(LiveMu());
+    Require(LiveIds().insert(id_).second,
+            "jax_moe cuda: Communicator " + std::to_string(comm_id) + " has ranks on other nodes, like a live one whose "
+            "id is equal modulo " + std::to_string(kIdMask + 1) + ": free Communicators no longer used");
+  }
+  try {
+    fabric::EngineOptions options;
+    options.busy_poll = true;  // the proxy thread of a GPU spins: every microsecond it naps is on the data path
+    options.progress_cpu = ProxyCpu(ordinal);
+    engine_ = proxy::AcquireEngine("cuda:" + std::to_string(ordinal), provider, options);
+    Require(engine_->max_imm() == UINT32_MAX, "DeviceFabric: the fabric provider does not carry 32-bit immediates");
+    Open(n, rank);
+  } catch (...) {
+    streams_.clear();
+    engine_.reset();
+    std::lock_guard<std::mutex> lock(LiveMu());
+    LiveIds().erase(id_);
+    throw;
+  }
+}
+
+void DeviceFabric::Open(int64_t n, int rank) {
   // Streams: dispatch, combine channel 0, combine channel 1. The two combine channels share the immediate kinds and
   // differ in their id (bit 14), so their arrivals and credits are counted apart.
-  const uint32_t id = comm_id & 0x3fff;
+  const uint32_t id = id_;
   const proxy::ImmKind data[] = {proxy::ImmKind::kDispatchData, proxy::ImmKind::kCombineData,
                                  proxy::ImmKind::kCombineData};
   const proxy::ImmKind credit[] = {proxy::ImmKind::kDispatchCredit, proxy::ImmKind::kCombineCredit,
@@ -55,7 +109,7 @@ DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, co
   streams_.resize(kFabricStreams);
   for (int i = 0; i < kFabricStreams; ++i) {
     Stream& st = streams_[i];
-    st.region = i == 0 ? FabricDispatchRegion(shape) : FabricCombineRegion(shape);
+    st.region = i == 0 ? FabricDispatchRegion(shape_) : FabricCombineRegion(shape_);
     st.comm_id = id | (i == 2 ? 0x4000u : 0u);
     const proxy::Lanes lanes{n, kFabricLanes, st.region};
     st.words = std::make_unique<PinnedBuffer>(sizeof(uint64_t) * (proxy::kBellWords + kFabricLanes * n));
@@ -71,7 +125,7 @@ DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, co
     config.rank = rank;
     config.lanes = lanes;
     st.channel = std::make_unique<proxy::Channel>(
-        config, remote, engine_, &here_,
+        config, remote_, engine_, &here_,
         [](uint64_t) -> proxy::Block { Throw(ErrorCode::kInternal, "DeviceFabric: the device packs its regions"); },
         mu_, cv_);
   }
@@ -80,14 +134,19 @@ DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, co
 DeviceFabric::~DeviceFabric() {
   if (pump_) pump_->Drain(timeout_s_ < kDrainBoundS ? timeout_s_ : kDrainBoundS);
   pump_.reset();
-  if (engine_) {
+  // Our writes (not the engine's: it is shared) must be done before the areas they read are freed.
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  for (Stream& st : streams_) {
     try {
-      engine_->WaitSends(1.0);
+      while (st.channel && st.channel->SendsInFlight() > 0 && std::chrono::steady_clock::now() < end)
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
     } catch (const std::exception&) {
     }
-    engine_->Close();
   }
-  for (Stream& st : streams_) st.channel.reset();
+  streams_.clear();  // channels (peer sets, banked immediates), then registrations and pinned memory
+  engine_.reset();
+  std::lock_guard<std::mutex> lock(LiveMu());
+  LiveIds().erase(id_);
 }
 
 std::vector<std::string> DeviceFabric::Descriptors() const {

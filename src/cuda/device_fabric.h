@@ -3,7 +3,9 @@
 // a receive area of pinned host memory mapped into the GPU (registered with the engine; tcp and shm cannot reach GPU
 // memory), and the bell and byte words the kernels and the pump share (kernels/moe_layout.h, "ranks on other nodes").
 // The pump runs on the engine's progress thread: it sees the bells, posts the regions with immediates, counts the
-// arrivals, raises the flags the receive kernels wait on and returns the credits.
+// arrivals, raises the flags the receive kernels wait on and returns the credits. Every Communicator of a GPU shares
+// that GPU's engine (proxy/engine_pool.h): one busy-polling proxy thread per GPU and provider, whatever the number of
+// MoE layers, optionally pinned to a core ($JAX_MOE_PROXY_CPUS).
 #pragma once
 #include <condition_variable>
 #include <cstdint>
@@ -16,6 +18,7 @@
 #include "fabric/transfer_engine.h"
 #include "kernels/moe_layout.h"
 #include "proxy/channel.h"
+#include "proxy/engine_pool.h"
 #include "proxy/pump.h"
 
 namespace jax_moe::cuda {
@@ -46,10 +49,13 @@ struct RemoteEndpoint {
 
 class DeviceFabric {
  public:
-  // remote[p]: rank p is on another node. comm_id: the Communicator's id (its low 14 bits tag the immediates).
-  DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, const std::vector<bool>& remote,
+  // remote[p]: rank p is on another node. comm_id: the Communicator's id (its low 14 bits tag the immediates; no two
+  // live fabrics of a process may share them). ordinal: the GPU (its engine is shared with the GPU's other fabrics).
+  DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, const std::vector<bool>& remote, int ordinal,
                const std::string& provider, double timeout_s);
-  ~DeviceFabric();  // drains (bounded), stops the pump, closes the engine, then frees the areas
+  // Drains (bounded), stops the pump, waits for its own writes (bounded), gives the engine its peer sets and banked
+  // immediates back, frees the areas, then lets go of the engine.
+  ~DeviceFabric();
   DeviceFabric(const DeviceFabric&) = delete;
   DeviceFabric& operator=(const DeviceFabric&) = delete;
 
@@ -68,6 +74,7 @@ class DeviceFabric {
   std::vector<std::array<int64_t, 3>> Trace() const;
 
  private:
+  void Open(int64_t n, int rank);  // the streams' areas, registrations and channels
   struct Stream {
     std::unique_ptr<PinnedBuffer> words;  // bell (kBellWords), then bytes [kFabricLanes][N]
     std::unique_ptr<PinnedBuffer> send, recv;
@@ -80,11 +87,12 @@ class DeviceFabric {
   int rank_;
   double timeout_s_;
   std::vector<bool> remote_;
+  uint32_t id_;  // comm_id & kIdMask, reserved in the process while this fabric lives
   proxy::NoPeersHere here_;
   std::mutex mu_;
   std::condition_variable cv_;
-  // Members in teardown order, last first: the pump goes before the channels and the engine, the engine before the
-  // memory it registered.
+  // Members in teardown order, last first (the destructor also orders it explicitly): the pump goes before the
+  // channels, the channels and registrations before the engine handle.
   std::vector<Stream> streams_;
   std::shared_ptr<fabric::TransferEngine> engine_;
   std::unique_ptr<proxy::Pump> pump_;

@@ -48,6 +48,7 @@ struct OpContext {
   uint32_t peer = 0;
   int nic = 0;
   std::string buffer;  // message bytes for kSend / kRecv
+  std::shared_ptr<std::atomic<int64_t>> set_in_flight;  // kWrite through a peer set: that set's count
 };
 
 struct PeerState {
@@ -85,6 +86,8 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   uint32_t Connect(const std::string& address, double timeout_s);
   uint32_t CreatePeerSet(const std::vector<uint32_t>& peers, const std::vector<RegionDescriptor>& regions);
   size_t PeerSetSize(uint32_t set) const;
+  void DestroyPeerSet(uint32_t set);
+  uint64_t SendsInFlight(uint32_t set) const;
   // src == nullptr with zero_byte: a barrier.
   void Scatter(uint32_t set, const MemoryRegion* src, const uint64_t* src_offsets, const uint64_t* lengths,
                const uint64_t* dst_offsets, size_t n, std::optional<uint32_t> imm, bool zero_byte);
@@ -99,9 +102,11 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
     return imms_.TryConsume(imm, count);
   }
   uint64_t BankedImm(uint32_t imm) const { return imms_.Banked(imm); }
+  uint64_t DiscardImms(uint32_t mask, uint32_t value) { return imms_.Discard(mask, value); }
   std::vector<PeerInfo> Peers() const;
   EngineStats Stats() const;
-  void SetProgressHook(std::function<bool()> hook);
+  uint64_t AddProgressHook(std::function<bool()> hook);
+  void RemoveProgressHook(uint64_t id);
 
  private:
   struct RegionEntry {
@@ -117,6 +122,7 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
     WriteRequest req;  // req.context is attached on the progress thread just before posting
     int nic;
     uint32_t peer;
+    std::shared_ptr<std::atomic<int64_t>> set_in_flight;  // through a peer set: its count
   };
   struct PendingCall {
     std::function<void()> fn;
@@ -132,6 +138,7 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   // engine_core.cc
   // Runs `fn` on the progress thread and waits for it (registration, AV inserts). Rethrows its error.
   void RunOnProgress(std::function<void()> fn);
+  const PeerSet& PeerSetLocked(uint32_t set) const;  // throws kInvalidArgument for an unknown or destroyed set
 
   // engine_handshake.cc
   PeerState& FindOrAddPeerLocked(const EngineAddress& addr, const std::string& raw);  // progress thread
@@ -214,8 +221,9 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   std::atomic<int> active_waiters_{0};  // threads in Connect/WaitSends: keep the progress thread hot
   uint64_t errors_reported_ = 0;        // guarded by sends_mu_
   std::atomic<bool> stop_{false};
-  std::mutex hook_mu_;  // held while the hook runs, so that clearing it waits for a running call
-  std::function<bool()> hook_;
+  std::mutex hook_mu_;  // held while the hooks run, so that removing one waits for a running call
+  std::map<uint64_t, std::function<bool()>> hooks_;
+  uint64_t next_hook_id_ = 1;
   std::atomic<bool> closed_{false};
   std::thread thread_;
 };

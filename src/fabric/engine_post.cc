@@ -101,10 +101,27 @@ uint32_t EngineCore::CreatePeerSet(const std::vector<uint32_t>& peers, const std
   return static_cast<uint32_t>(peer_sets_.size() - 1);
 }
 
+const PeerSet& EngineCore::PeerSetLocked(uint32_t set) const {
+  Require(set < peer_sets_.size() && peer_sets_[set], "unknown peer set " + std::to_string(set));
+  return *peer_sets_[set];
+}
+
 size_t EngineCore::PeerSetSize(uint32_t set) const {
   std::lock_guard<std::mutex> lock(mu_);
-  Require(set < peer_sets_.size(), "unknown peer set " + std::to_string(set));
-  return peer_sets_[set]->members.size();
+  return PeerSetLocked(set).members.size();
+}
+
+// The slot stays (ids are indices); writes still out count down the set's shared counter, which they hold.
+void EngineCore::DestroyPeerSet(uint32_t set) {
+  std::lock_guard<std::mutex> lock(mu_);
+  PeerSetLocked(set);
+  peer_sets_[set].reset();
+}
+
+uint64_t EngineCore::SendsInFlight(uint32_t set) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t n = PeerSetLocked(set).in_flight->load(std::memory_order_acquire);
+  return n > 0 ? uint64_t(n) : 0;
 }
 
 void EngineCore::Scatter(uint32_t set, const MemoryRegion* src, const uint64_t* src_offsets,
@@ -115,8 +132,7 @@ void EngineCore::Scatter(uint32_t set, const MemoryRegion* src, const uint64_t* 
   std::vector<PendingWrite> writes;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    Require(set < peer_sets_.size(), "unknown peer set " + std::to_string(set));
-    const PeerSet& ps = *peer_sets_[set];
+    const PeerSet& ps = PeerSetLocked(set);
     Require(n == ps.members.size(), "scatter: got " + std::to_string(n) + " entries for a peer set of " +
                                         std::to_string(ps.members.size()) + " peers");
     const BackendRegion* local = nullptr;
@@ -149,8 +165,10 @@ void EngineCore::Scatter(uint32_t set, const MemoryRegion* src, const uint64_t* 
       PatchWrite(t, base, desc, so, len, doff, imm, nullptr, &writes[i].req);
       writes[i].nic = t.nic;
       writes[i].peer = t.peer;
+      writes[i].set_in_flight = ps.in_flight;
     }
     for (const auto& w : writes) peers_[w.peer]->in_flight++;
+    ps.in_flight->fetch_add(int64_t(n), std::memory_order_relaxed);
   }
   writes_posted_ += n;
   Submit(std::move(writes));
@@ -236,7 +254,11 @@ bool EngineCore::PostPending() {
   progressed |= PostQueue(
       backlog_, [](const PendingWrite& w) { return NicPeerKey(w.nic, w.peer); },
       [this](PendingWrite& w) {
-        if (w.req.context == nullptr) w.req.context = NewOp(OpContext::kWrite, w.peer, w.nic);
+        if (w.req.context == nullptr) {
+          OpContext* op = NewOp(OpContext::kWrite, w.peer, w.nic);
+          op->set_in_flight = std::move(w.set_in_flight);
+          w.req.context = op;
+        }
         try {
           return backend_->PostWrites(w.nic, &w.req, 1) == 1 ? PostOutcome::kDone : PostOutcome::kRefused;
         } catch (const Error& e) {

@@ -53,7 +53,7 @@ void EngineCore::ProgressLoop() {
       work |= PollAll();
       {
         std::lock_guard<std::mutex> lock(hook_mu_);
-        if (hook_) work |= hook_();
+        for (auto& hook : hooks_) work |= hook.second();
       }
       if (!hello_resend_.empty()) ResendHellos();
     } catch (const std::exception& e) {
@@ -82,10 +82,21 @@ void EngineCore::ProgressLoop() {
   }
 }
 
-void EngineCore::SetProgressHook(std::function<bool()> hook) {
+uint64_t EngineCore::AddProgressHook(std::function<bool()> hook) {
+  Require(static_cast<bool>(hook), "add_progress_hook: empty hook");
   std::lock_guard<std::mutex> lock(hook_mu_);
-  if (hook && hook_) Throw(ErrorCode::kInvalidArgument, "this TransferEngine runs a progress hook already");
-  hook_ = std::move(hook);
+  const uint64_t id = next_hook_id_++;
+  hooks_.emplace(id, std::move(hook));
+  return id;
+}
+
+void EngineCore::RemoveProgressHook(uint64_t id) {
+  std::function<bool()> gone;  // destroyed outside the lock
+  std::lock_guard<std::mutex> lock(hook_mu_);
+  auto it = hooks_.find(id);
+  if (it == hooks_.end()) return;
+  gone = std::move(it->second);
+  hooks_.erase(it);
 }
 
 bool EngineCore::DrainSubmissions() {
@@ -192,6 +203,7 @@ OpContext* EngineCore::NewOp(OpContext::Kind kind, uint32_t peer, int nic) {
 
 void EngineCore::FreeOp(OpContext* op) {
   op->buffer.clear();
+  op->set_in_flight.reset();
   free_ops_.push_back(op);
 }
 
@@ -205,6 +217,7 @@ void EngineCore::WriteDone(OpContext* op, bool ok) {
     std::lock_guard<std::mutex> lock(mu_);
     if (op->peer < peers_.size()) peers_[op->peer]->in_flight--;
   }
+  if (op->set_in_flight) op->set_in_flight->fetch_sub(1, std::memory_order_release);
   if (!ok) write_errors_++;
   writes_completed_++;
   FreeOp(op);

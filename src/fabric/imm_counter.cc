@@ -111,6 +111,20 @@ uint64_t ImmCounter::Banked(uint32_t imm) const {
   return it == entries_.end() ? 0 : it->second.total;
 }
 
+uint64_t ImmCounter::Discard(uint32_t mask, uint32_t value) {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t dropped = 0;
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    if ((it->first & mask) == value) {
+      dropped += it->second.total;
+      it = entries_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return dropped;
+}
+
 void ImmCounter::Shutdown() {
   {
     std::lock_guard<std::mutex> lock(mu_);

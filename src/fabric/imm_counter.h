@@ -44,6 +44,8 @@ class ImmCounter {
                 std::vector<uint32_t>* missing);
 
   uint64_t Banked(uint32_t imm) const;
+  // Drops every banked value v with (v & mask) == value (a gone user's); returns how many immediates.
+  uint64_t Discard(uint32_t mask, uint32_t value);
   // Takes `count` banked `imm`s if there are that many; never waits (no condition-variable round trip).
   bool TryConsume(uint32_t imm, uint64_t count);
   // Wakes every waiter; later waits fail immediately.

@@ -2,7 +2,9 @@
 // calls (NIC, peer handle, remote key, remote base, immediate's sender peer id) is resolved once when
 // the set is created; PatchWrite() fills in the per-call fields. Pure logic, no transport calls.
 #pragma once
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -39,6 +41,10 @@ struct PeerSet {
   std::vector<uint32_t> members;
   std::vector<RegionDescriptor> regions;
   std::vector<WriteTemplate> templates;
+  // Writes posted through this set and not yet completed: shared with their operation contexts, so a set destroyed
+  // while its writes are out is still counted down safely. Its user (a proxy channel) waits on its own writes only,
+  // not on those of every other user of the engine.
+  std::shared_ptr<std::atomic<int64_t>> in_flight = std::make_shared<std::atomic<int64_t>>(0);
 };
 
 }  // namespace jax_moe::fabric

@@ -74,7 +74,11 @@ void TransferEngine::WaitSends(double timeout_s) { core_->WaitSends(timeout_s); 
 
 bool TransferEngine::TryConsumeImm(uint32_t imm, uint64_t count) { return core_->TryConsumeImm(imm, count); }
 uint64_t TransferEngine::BankedImm(uint32_t imm) const { return core_->BankedImm(imm); }
-void TransferEngine::SetProgressHook(std::function<bool()> hook) { core_->SetProgressHook(std::move(hook)); }
+uint64_t TransferEngine::AddProgressHook(std::function<bool()> hook) { return core_->AddProgressHook(std::move(hook)); }
+void TransferEngine::RemoveProgressHook(uint64_t id) { core_->RemoveProgressHook(id); }
+uint64_t TransferEngine::SendsInFlight(PeerSetId set) const { return core_->SendsInFlight(set); }
+uint64_t TransferEngine::DiscardImms(uint32_t mask, uint32_t value) { return core_->DiscardImms(mask, value); }
+void TransferEngine::DestroyPeerSet(PeerSetId set) { core_->DestroyPeerSet(set); }
 
 uint64_t TransferEngine::SendsInFlight() const {
   EngineStats s = core_->Stats();

@@ -118,6 +118,8 @@ class TransferEngine {
   // (30 s bound; kTimeout names silent owners, kInvalidArgument a rejected descriptor).
   PeerSetId CreatePeerSet(const std::vector<PeerId>& peers, const std::vector<RegionDescriptor>& regions);
   size_t PeerSetSize(PeerSetId set) const;
+  // Forgets a peer set (its id is never reused); writes of it still in flight complete as usual.
+  void DestroyPeerSet(PeerSetId set);
 
   // One write per member i: src[src_offsets[i], +lengths[i]) -> member i's region at dst_offsets[i].
   // Zero-length entries still carry the immediate (a "nothing for you" signal) when imm is set.
@@ -140,13 +142,18 @@ class TransferEngine {
   bool TryConsumeImm(uint32_t imm, uint64_t count);
   uint64_t BankedImm(uint32_t imm) const;  // immediates `imm` arrived and not yet consumed
   uint64_t SendsInFlight() const;          // writes posted and not yet completed
+  uint64_t SendsInFlight(PeerSetId set) const;  // the same, of the writes posted through `set`
+  // Drops every banked immediate v with (v & mask) == value; returns how many. For a user of a shared engine that
+  // goes: what its peers still send it must not be counted by a later user of the same values.
+  uint64_t DiscardImms(uint32_t mask, uint32_t value);
   // Runs `hook` on the progress thread at every pass (it returns whether it did work, which keeps the thread hot),
-  // so that a proxy posts and polls on the engine's own thread: no hand-off between threads on its data path. The
-  // hook may call Scatter and Barrier on peer sets, Write to a peer set's already verified regions, TryConsumeImm and
-  // SendsInFlight: never a call that waits, nor one that may verify a new descriptor (it would wait for this very
-  // thread). An engine runs one hook: installing a second throws kInvalidArgument. An empty hook clears it; after
-  // SetProgressHook returns, the previous hook is not running and never runs again.
-  void SetProgressHook(std::function<bool()> hook);
+  // so that a proxy posts and polls on the engine's own thread: no hand-off between threads on its data path. Several
+  // proxies may share one engine, each with its hook; they run in the order they were added. A hook may call Scatter
+  // and Barrier on peer sets, Write to a peer set's already verified regions, TryConsumeImm and SendsInFlight: never
+  // a call that waits, nor one that may verify a new descriptor (it would wait for this very thread), nor
+  // Add/RemoveProgressHook. After RemoveProgressHook returns, that hook is not running and never runs again.
+  uint64_t AddProgressHook(std::function<bool()> hook);
+  void RemoveProgressHook(uint64_t id);
 
   std::vector<PeerInfo> Peers() const;
   EngineStats Stats() const;

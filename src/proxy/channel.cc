@@ -35,6 +35,20 @@ Channel::Channel(const ChannelConfig& config, const std::vector<bool>& remote,
   remote_rounds_.assign(n * k, 0);
 }
 
+Channel::~Channel() {
+  if (!engine_) return;
+  try {
+    if (!remote_peers_.empty()) engine_->DestroyPeerSet(peer_set_);
+    constexpr uint32_t kIdMask = (1u << kCommIdBits) - 1;
+    engine_->DiscardImms(kIdMask, config_.comm_id & kIdMask);
+  } catch (const std::exception&) {  // a closed engine: nothing of ours is left in it
+  }
+}
+
+uint64_t Channel::SendsInFlight() const {
+  return remote_peers_.empty() ? 0 : engine_->SendsInFlight(peer_set_);
+}
+
 void Channel::Connect(const std::vector<fabric::PeerId>& peers, std::vector<fabric::RegionDescriptor> regions) {
   Require(peers.size() == remote_ranks_.size() && regions.size() == peers.size(),
           "Channel: one engine and one region per remote rank");

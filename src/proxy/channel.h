@@ -61,6 +61,9 @@ class Channel {
   // `mu` and `cv` are the Proxy's: queues, staging and credits are guarded by `mu`, waiters sleep on `cv`.
   Channel(const ChannelConfig& config, const std::vector<bool>& remote, std::shared_ptr<fabric::TransferEngine> engine,
           SameProcess* local, Allocate allocate, std::mutex& mu, std::condition_variable& cv);
+  // Gives the engine back what this channel held there: its peer set, and the immediates of its Communicator still
+  // banked (the engine is shared: a later Communicator with the same id must not count them).
+  ~Channel();
   Channel(const Channel&) = delete;
   Channel& operator=(const Channel&) = delete;
 
@@ -69,6 +72,8 @@ class Channel {
   // Ranks of other processes, in the order their endpoints are given to Connect.
   const std::vector<int32_t>& remote_ranks() const { return remote_ranks_; }
   fabric::TransferEngine* engine() const { return engine_.get(); }
+  // Our writes still in flight (posted through this channel, not yet completed); 0 before Connect.
+  uint64_t SendsInFlight() const;
   // The remote ranks' engines and receive buffers, in remote_ranks() order.
   void Connect(const std::vector<fabric::PeerId>& peers, std::vector<fabric::RegionDescriptor> regions);
 

@@ -33,18 +33,16 @@ Pump::Pump(std::vector<Link> links, double timeout_s, std::function<std::string(
   fabric::TransferEngine* engine = links_.empty() ? nullptr : links_[0].channel->engine();
   for (const Link& l : links_) engine = l.channel->engine() == engine ? engine : nullptr;
   if (engine && !own_thread) {
-    try {
-      engine->SetProgressHook([this] { return StepAll(); });
-      hooked_ = engine;
-    } catch (const Error&) {  // the engine serves another pump already: this one runs beside it
-    }
+    hook_ = engine->AddProgressHook([this] { return StepAll(); });
+    hooked_ = engine;
+  } else {
+    thread_ = std::thread([this] { Loop(); });
   }
-  if (!hooked_) thread_ = std::thread([this] { Loop(); });
 }
 
 Pump::~Pump() {
   stop_.store(true);
-  if (hooked_) hooked_->SetProgressHook({});  // returns once no pass of ours runs any more
+  if (hooked_) hooked_->RemoveProgressHook(hook_);  // returns once no pass of ours runs any more
   if (thread_.joinable()) thread_.join();
 }
 
@@ -62,10 +60,9 @@ void Pump::DrainOrThrow(double bound_s) {
     for (size_t i = 0; i < links_.size() && drained; ++i) {
       std::lock_guard<std::mutex> lock(links_[i].channel->mu());
       const Link& l = links_[i];
-      fabric::TransferEngine* engine = l.channel->engine();
       // Ours posted and read by every receiver; theirs credited, and those credits on the wire.
       drained = states_[i].posted == Load(l.bell + kRung) && l.channel->Drained() &&
-                states_[i].released == Load(l.bell + kRead) && (!engine || engine->SendsInFlight() == 0);
+                states_[i].released == Load(l.bell + kRead) && l.channel->SendsInFlight() == 0;
     }
     if (drained) return;
     std::this_thread::sleep_for(std::chrono::microseconds(100));
@@ -115,23 +112,25 @@ bool Pump::Step(Link& link, State& st) {
     ch.NextSendRound();
     moved = true;
   }
-  fabric::TransferEngine* engine = ch.engine();
-  if (Load(link.bell + kSent) < st.posted && (!engine || engine->SendsInFlight() == 0)) {
+  // The channel's own writes, not the engine's: other Communicators' pumps post through the same engine.
+  if (Load(link.bell + kSent) < st.posted && ch.SendsInFlight() == 0) {
     Store(link.bell + kSent, st.posted);
     moved = true;
   }
-  std::vector<int32_t> missing;
-  while (ch.Arrived(st.flagged + 1, &missing)) {
+  while (ch.Arrived(st.flagged + 1, nullptr)) {  // no list of who is missing on the data path: only for the error
     Store(link.bell + kArrived, ++st.flagged);
     if (traced && st.flagged <= kTraceRounds) trace_[st.flagged - 1][2] = NowNs();
     st.waiting_since = -1;
     moved = true;
   }
   // A round is late only once the device rang it itself (every rank runs the same program): the clock starts then.
-  if (st.flagged < rung) {
+  // The clock is read when the wait starts and then every 256th pass (a clock read may be a system call in a VM).
+  if (st.flagged < rung && (st.waiting_since < 0 || (++st.waits & 255) == 0)) {
     const double now = Now();
     if (st.waiting_since < 0) st.waiting_since = now;
     if (now - st.waiting_since > timeout_s_) {
+      std::vector<int32_t> missing;
+      ch.Arrived(st.flagged + 1, &missing);
       std::string names;
       for (int32_t p : missing) names += (names.empty() ? "" : ", ") + name_(p);
       Stop(std::string(ch.config().name) + " on " + name_(ch.config().rank) + ": no data from " + names +

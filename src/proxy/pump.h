@@ -2,7 +2,8 @@
 // regions to the ranks of other processes, counts their arrivals and raises the flags the device waits on, and
 // returns credits once the device has read a round. It runs on the TransferEngine's progress thread (a progress hook)
 // when every link uses one engine, so one thread posts, polls the completion queue and serves the device: nothing on
-// the data path is handed to another thread. Otherwise it runs on a thread of its own.
+// the data path is handed to another thread. Otherwise it runs on a thread of its own. The pumps of every
+// Communicator of a device share that device's engine (proxy/engine_pool.h), hence its one thread.
 //
 // Control words live in memory both sides see: host-mapped pinned memory on a GPU, plain host memory when a host
 // thread plays the device (tests). Each word has one writer. Per direction of a rank (Bell):
@@ -69,6 +70,7 @@ class Pump {
   struct State {
     uint64_t posted = 0, flagged = 0, released = 0;
     double waiting_since = -1;  // when the device rang a round whose arrivals are still missing
+    uint32_t waits = 0;         // passes spent waiting (the clock is read every 256th)
   };
   void Loop();
   void DrainOrThrow(double bound_s);
@@ -85,6 +87,7 @@ class Pump {
   std::vector<State> states_;
   std::vector<std::array<int64_t, 3>> trace_;  // [round - 1]: seen, posted, arrived (link 0, first kTraceRounds)
   fabric::TransferEngine* hooked_ = nullptr;  // the engine whose progress thread runs the pump, if any
+  uint64_t hook_ = 0;                         // its hook id there
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };

@@ -4,7 +4,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "cpu/cpu_comm.h"
-#include "cpu/engine_pool.h"
+#include "proxy/engine_pool.h"
 #include "ffi/cpu_handlers.h"
 #include "python/registry.h"
 
@@ -108,7 +108,7 @@ void RegisterCpu(nb::module_& m) {
   cpu.def("release_all", &ReleaseAll,
           "Releases every CpuComm and closes the idle engines; registered with atexit when the module loads.");
   cpu.def("live_comms", [] { return jax_moe::cpu::CpuComm::Live(); }, "CpuComms alive in this process.");
-  cpu.def("open_engines", [] { return jax_moe::cpu::OpenEngines(); },
+  cpu.def("open_engines", [] { return jax_moe::proxy::OpenEngines(); },
           "TransferEngines the cpu backend holds open (in use, or lingering after their last CpuComm).");
   cpu.def("handlers", [] {
     nb::dict d;

@@ -154,7 +154,12 @@ void RegisterFabric(nb::module_& m) {
            nb::call_guard<nb::gil_scoped_release>())
       .def("try_consume_imm", [](Engine& s, uint32_t imm, uint64_t count) { return s.e().TryConsumeImm(imm, count); })
       .def("banked_imm", [](Engine& s, uint32_t imm) { return s.e().BankedImm(imm); })
-      .def("sends_in_flight", [](Engine& s) { return s.e().SendsInFlight(); })
+      .def("sends_in_flight",
+           [](Engine& s, std::optional<uint32_t> set) { return set ? s.e().SendsInFlight(*set) : s.e().SendsInFlight(); },
+           "peer_set"_a.none() = nb::none())
+      .def("discard_imms", [](Engine& s, uint32_t mask, uint32_t value) { return s.e().DiscardImms(mask, value); },
+           "mask"_a, "value"_a)
+      .def("destroy_peer_set", [](Engine& s, uint32_t set) { s.e().DestroyPeerSet(set); }, "peer_set"_a)
       .def("peers",
            [](Engine& s) {
              nb::list out;

@@ -188,7 +188,30 @@ def test_write_scatter_barrier_and_errors(pair):
         time.sleep(0.001)
     assert not b._eng.try_consume_imm(21, 3)
     assert b._eng.try_consume_imm(21, 2) and b._eng.banked_imm(21) == 0
-    assert a._eng.sends_in_flight() == 0
+    assert a.sends_in_flight() == 0 and a.sends_in_flight(ps) == 0
+
+    # Discarding a gone user's immediates: only the values that match, whatever their count.
+    for imm in (0x105, 0x105, 0x205, 0x106):
+        a.barrier(ps, imm)
+    a.wait_sends(5)
+    deadline = time.monotonic() + 5
+    while ((b._eng.banked_imm(0x105), b._eng.banked_imm(0x205), b._eng.banked_imm(0x106)) != (2, 1, 1)
+           and time.monotonic() < deadline):  # writes are not ordered: wait for each
+        time.sleep(0.001)
+    assert b.discard_imms(0xFF, 0x05) == 3
+    assert b._eng.banked_imm(0x105) == 0 and b._eng.banked_imm(0x205) == 0 and b._eng.banked_imm(0x106) == 1
+    assert b.discard_imms(0xFFFFFFFF, 0x106) == 1 and b.discard_imms(0, 0) == 0
+
+    # A destroyed peer set is refused; another set of the same peer still works, and its id is new.
+    ps2 = a.peer_set([p], [mb.descriptor()])
+    assert ps2 != ps
+    a.destroy_peer_set(ps)
+    with pytest.raises(ValueError, match="unknown peer set"):
+        a.barrier(ps, 1)
+    with pytest.raises(ValueError, match="unknown peer set"):
+        a._eng.sends_in_flight(ps)
+    a.barrier(ps2, 22)
+    b.wait_imm(22, 1, 5)
 
 
 def test_connect_bad_address(pair):

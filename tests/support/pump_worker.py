@@ -2,7 +2,8 @@
 
 usage: pump_worker.py DIR RANK N PROVIDER ROUNDS MODE
 MODE: ok (every round checked), kill (the last rank exits after round 2), forge (rank 1 announces more rows than a
-region holds in round 2), overflow (rank 1's device announces more bytes than a region holds in round 2). Ranks exchange engine addresses through files in DIR; each writes DIR/result.RANK (JSON).
+region holds in round 2), overflow (rank 1's device announces more bytes than a region holds in round 2), shared
+(two Communicators per rank, whose pumps share the rank's engine, rung in an order that changes every round). Ranks exchange engine addresses through files in DIR; each writes DIR/result.RANK (JSON).
 """
 import json
 import os
@@ -17,12 +18,12 @@ from jax_moe import _core
 MAGIC, COMM_ID, LANES, T, HIDDEN, TIMEOUT_S = 0x4A4D4F45, 7, 3, 16, 64, 5.0
 
 
-def region(pr, round_, sender, dest, rows=None):
+def region(pr, round_, sender, dest, rows=None, comm=COMM_ID):
     """The region `sender` sends `dest` in `round_`: a real region header, then `rows` random bf16 rows."""
-    rng = np.random.default_rng([round_, sender, dest])
+    rng = np.random.default_rng([round_, sender, dest, comm])
     real = int(rng.integers(0, T + 1))
     rows = real if rows is None else rows
-    head = struct.pack("<IIqiiqii", MAGIC, COMM_ID, round_, sender, 0, 0, rows, 0) + struct.pack("<i", rows)
+    head = struct.pack("<IIqiiqii", MAGIC, comm, round_, sender, 0, 0, rows, 0) + struct.pack("<i", rows)
     head = head.ljust(pr.header_bytes, b"\0")
     return head + rng.integers(0, 256, real * 2 * HIDDEN, dtype=np.uint8).tobytes()
 
@@ -41,6 +42,8 @@ def main():
     d, rank, n, provider, rounds, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], \
         int(sys.argv[5]), sys.argv[6]
     pt = _core.proxy_testing
+    if mode == "shared":
+        return shared(d, rank, n, provider, rounds)
     pr = pt.PumpRank(provider, rank, n, LANES, T, HIDDEN, COMM_ID, TIMEOUT_S)
     with open(os.path.join(d, f"addr.{rank}.tmp"), "w") as f:
         json.dump([pr.address().hex(), pr.descriptor().hex()], f)
@@ -90,6 +93,64 @@ def main():
     with open(os.path.join(d, f"result.{rank}"), "w") as f:
         json.dump(result, f)
     pr.close()
+
+
+def shared(d, rank, n, provider, rounds):
+    """Two Communicators (ids 7 and 8) per rank on one engine: two pumps as two hooks of its progress thread, each
+    counting only its own arrivals and writes."""
+    pt = _core.proxy_testing
+    comms = [COMM_ID, COMM_ID + 1]
+    prs = [pt.PumpRank(provider, rank, n, LANES, T, HIDDEN, comms[0], TIMEOUT_S)]
+    prs.append(pt.PumpRank(provider, rank, n, LANES, T, HIDDEN, comms[1], TIMEOUT_S, share_engine_of=prs[0]))
+    assert prs[0].address() == prs[1].address()
+    with open(os.path.join(d, f"addr.{rank}.tmp"), "w") as f:
+        json.dump([prs[0].address().hex()] + [pr.descriptor().hex() for pr in prs], f)
+    os.rename(os.path.join(d, f"addr.{rank}.tmp"), os.path.join(d, f"addr.{rank}"))
+    peers = []
+    for q in range(n):
+        if q == rank:
+            continue
+        path = os.path.join(d, f"addr.{q}")
+        while not os.path.exists(path):
+            time.sleep(0.01)
+        peers.append(json.load(open(path)))
+    for i, pr in enumerate(prs):
+        pr.connect([(bytes.fromhex(a), bytes.fromhex(descs[i])) for a, *descs in peers])
+        pr.start()
+    result = {"rank": rank, "rounds": 0, "error": "", "bad_regions": []}
+    try:
+        for k in range(1, rounds + 1):
+            order = [0, 1] if (k + rank) % 2 else [1, 0]
+            for i in order:
+                pr = prs[i]
+                wait(pr, pt.SENT, k - LANES, "sent")
+                for p in range(n):
+                    if p != rank:
+                        data = region(pr, k, rank, p, comm=comms[i])
+                        pr.write_region(k, p, data)
+                        pr.set_bytes(k, p, len(data))
+                pr.ring(pt.RUNG, k)
+            for i in reversed(order):
+                pr = prs[i]
+                wait(pr, pt.ARRIVED, k, "arrived")
+                for s in range(n):
+                    if s == rank:
+                        continue
+                    problem = pr.check_region(k, s)
+                    if problem:
+                        result["bad_regions"].append(problem)
+                        continue
+                    want = region(pr, k, s, rank, comm=comms[i])
+                    if pr.read_region(k, s, len(want)) != want:
+                        raise AssertionError(f"round {k}: the region from rank {s} of Communicator {comms[i]} differs")
+                pr.ring(pt.READ, k)
+            result["rounds"] = k
+    except RuntimeError as e:
+        result["error"] = str(e)
+    with open(os.path.join(d, f"result.{rank}"), "w") as f:
+        json.dump(result, f)
+    prs[1].close()
+    prs[0].close()
 
 
 if __name__ == "__main__":

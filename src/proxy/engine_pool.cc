@@ -1,4 +1,4 @@
-#include "cpu/engine_pool.h"
+#include "proxy/engine_pool.h"
 
 #include <algorithm>
 #include <chrono>
@@ -9,12 +9,12 @@
 #include <utility>
 #include <vector>
 
-namespace jax_moe::cpu {
+namespace jax_moe::proxy {
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using Key = std::pair<int64_t, std::string>;
+using Key = std::pair<std::string, std::string>;
 
 struct Entry {
   std::shared_ptr<fabric::TransferEngine> engine;
@@ -80,14 +80,14 @@ void Release(const Key& key) {
 
 }  // namespace
 
-std::shared_ptr<fabric::TransferEngine> AcquireEngine(int64_t device, const std::string& provider) {
+std::shared_ptr<fabric::TransferEngine> AcquireEngine(const std::string& device, const std::string& provider,
+                                                      fabric::EngineOptions options) {
   Pool& pool = GetPool();
   const Key key{device, provider};
   std::lock_guard<std::mutex> lock(pool.mu);
   Entry& e = pool.engines[key];
   if (!e.engine) {
     try {
-      fabric::EngineOptions options;
       options.provider = provider;
       e.engine = std::make_shared<fabric::TransferEngine>(options);
     } catch (...) {
@@ -133,4 +133,4 @@ int64_t OpenEngines() {
   return int64_t(pool.engines.size());
 }
 
-}  // namespace jax_moe::cpu
+}  // namespace jax_moe::proxy
