@@ -7,6 +7,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -46,8 +47,9 @@ uint64_t RegionBytes(const proxy::MoeShape& s) {
 class PumpRank {
  public:
   // The regions of a dispatch of `max_tokens` tokens of `hidden` bf16 channels, one expert per rank, top-1.
+  // share: another PumpRank of this process whose engine this one uses too (two Communicators of one GPU).
   PumpRank(const std::string& provider, int rank, int n, int lanes, int max_tokens, int hidden, uint32_t comm_id,
-           double timeout_s, bool busy_poll)
+           double timeout_s, bool busy_poll, const PumpRank* share)
       : rank_(rank),
         comm_id_(comm_id),
         timeout_s_(timeout_s),
@@ -61,7 +63,8 @@ class PumpRank {
     fabric::EngineOptions options;
     options.provider = provider;
     options.busy_poll = busy_poll;  // a GPU's proxy spins on its core; tests on 2 cores share them
-    engine_ = std::make_shared<fabric::TransferEngine>(options);
+    shared_ = share != nullptr;
+    engine_ = shared_ ? share->engine_ : std::make_shared<fabric::TransferEngine>(options);
     send_mr_ = engine_->Register(send_.data(), send_.size());
     recv_mr_ = engine_->Register(recv_.data(), recv_.size());
     proxy::ChannelConfig config;
@@ -107,7 +110,8 @@ class PumpRank {
   void Close() {
     if (pump_) pump_->Drain(timeout_s_ < 5 ? timeout_s_ : 5);
     pump_.reset();
-    if (engine_) engine_->Close();
+    channel_.reset();  // gives the engine its peer set and banked immediates back
+    if (engine_ && !shared_) engine_->Close();
   }
 
   // The device's side.
@@ -138,6 +142,50 @@ class PumpRank {
     Require(word == proxy::kRung || word == proxy::kRead, "ring: the device writes rung and read only");
     __atomic_store_n(reinterpret_cast<uint64_t*>(bell_.data()) + word, v, __ATOMIC_RELEASE);
   }
+  // The benchmark's device, in C++ so that no interpreter sits on the measured path (a GPU has none): rounds
+  // 1..warmup+iters of a ping-pong with `peer`. The leader rings first and waits for the answer; the other answers
+  // each round as soon as its flag is up. Per measured round, steady-clock ns: (rung, arrival seen by the device).
+  // The pump's Trace() gives the steps between; both ranks' clocks are the host's.
+  std::vector<std::tuple<int64_t, int64_t>> PingPong(int peer, uint64_t size, int warmup, int iters, bool leader) {
+    Require(peer >= 0 && peer < lanes_.num_ranks && peer != rank_ && size <= lanes_.region_bytes && pump_,
+            "ping_pong: bad peer or size, or the pump is not started");
+    auto* bell = reinterpret_cast<uint64_t*>(bell_.data());
+    auto* bytes = reinterpret_cast<uint64_t*>(bytes_.data());
+    const auto spin = [&](int word, uint64_t v) {
+      const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
+      for (uint32_t i = 0; __atomic_load_n(bell + word, __ATOMIC_ACQUIRE) < v; ++i) {
+        if ((i & 1023) == 0 && (__atomic_load_n(bell + proxy::kError, __ATOMIC_ACQUIRE) != 0 ||
+                                std::chrono::steady_clock::now() > end))
+          Throw(ErrorCode::kTimeout, "ping_pong: " + (pump_->error().empty() ? "no progress" : pump_->error()));
+      }
+    };
+    const auto now = [] {
+      return std::chrono::duration_cast<std::chrono::nanoseconds>(
+                 std::chrono::steady_clock::now().time_since_epoch()).count();
+    };
+    std::vector<std::tuple<int64_t, int64_t>> out;
+    for (uint64_t k = 1; k <= uint64_t(warmup + iters); ++k) {
+      int64_t seen = 0;
+      if (!leader) {
+        spin(proxy::kArrived, k);
+        seen = now();
+        __atomic_store_n(bell + proxy::kRead, k, __ATOMIC_RELEASE);
+      }
+      spin(proxy::kSent, k > uint64_t(lanes_.count) ? k - uint64_t(lanes_.count) : 0);
+      uint8_t* region = send_.data() + lanes_.Offset(k, peer);
+      std::memset(region, int(k & 0xff), size);
+      __atomic_store_n(bytes + lanes_.Lane(k) * lanes_.num_ranks + peer, size, __ATOMIC_RELAXED);
+      const int64_t rung = now();
+      __atomic_store_n(bell + proxy::kRung, k, __ATOMIC_RELEASE);
+      if (leader) {
+        spin(proxy::kArrived, k);
+        seen = now();
+        __atomic_store_n(bell + proxy::kRead, k, __ATOMIC_RELEASE);
+      }
+      if (k > uint64_t(warmup)) out.emplace_back(rung, seen);
+    }
+    return out;
+  }
   uint64_t region_bytes() const { return lanes_.region_bytes; }
   uint64_t header_bytes() const { return proxy::RegionHeaderBytes(shape_); }
   std::string Error() const { return pump_ ? pump_->error() : std::string(); }
@@ -157,6 +205,7 @@ class PumpRank {
   proxy::Lanes lanes_;
   cpu::HostBuffer send_, recv_, bell_, bytes_;  // zeroed, 64-byte aligned
   std::shared_ptr<fabric::TransferEngine> engine_;
+  bool shared_ = false;  // engine_ is another PumpRank's: closing is that one's job
   std::shared_ptr<fabric::MemoryRegion> send_mr_, recv_mr_;
   proxy::NoPeersHere local_;
   std::mutex mu_;
@@ -173,9 +222,10 @@ void RegisterProxyTesting(nb::module_& m) {
   t.attr("READ") = int(proxy::kRead);
   t.attr("ERROR") = int(proxy::kError);
   nb::class_<PumpRank>(t, "PumpRank")
-      .def(nb::init<const std::string&, int, int, int, int, int, uint32_t, double, bool>(), nb::arg("provider"),
-           nb::arg("rank"), nb::arg("num_ranks"), nb::arg("lanes"), nb::arg("max_tokens"), nb::arg("hidden"),
-           nb::arg("comm_id"), nb::arg("timeout_s"), nb::arg("busy_poll") = false)
+      .def(nb::init<const std::string&, int, int, int, int, int, uint32_t, double, bool, const PumpRank*>(),
+           nb::arg("provider"), nb::arg("rank"), nb::arg("num_ranks"), nb::arg("lanes"), nb::arg("max_tokens"),
+           nb::arg("hidden"), nb::arg("comm_id"), nb::arg("timeout_s"), nb::arg("busy_poll") = false,
+           nb::arg("share_engine_of").none() = nb::none(), nb::keep_alive<1, 11>())
       .def_prop_ro("region_bytes", [](const PumpRank& r) { return r.region_bytes(); })
       .def_prop_ro("header_bytes", [](const PumpRank& r) { return r.header_bytes(); })
       .def("check_region", &PumpRank::CheckRegion)
@@ -190,6 +240,9 @@ void RegisterProxyTesting(nb::module_& m) {
       .def("bell", &PumpRank::Bell)
       .def("ring", &PumpRank::Ring)
       .def("error", &PumpRank::Error)
+      .def("ping_pong", &PumpRank::PingPong, nb::arg("peer"), nb::arg("size"), nb::arg("warmup"), nb::arg("iters"),
+           nb::arg("leader"), nb::call_guard<nb::gil_scoped_release>(),
+           "the benchmark's device loop in C++: per measured round (rung, arrival seen), steady-clock ns")
       .def("trace", &PumpRank::Trace, "per round: (ring seen, posted, arrival flagged), steady-clock ns");
 }
 

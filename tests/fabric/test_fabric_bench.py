@@ -27,7 +27,7 @@ def test_fabric_bench_tcp(tmp_path):
 
 @needs("tcp")
 def test_pump_bench_tcp(tmp_path):
-    """`python -m jax_moe.bench pump`: the proxy round trip, with fi_pingpong's figure beside it when installed."""
+    """`python -m jax_moe.bench pump`: the proxy round trip and its steps, with fi_pingpong's beside it when installed."""
     out = tmp_path / "pump.json"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-m", "jax_moe.bench", "pump", "--providers", "tcp", "--warmup", "2",
@@ -36,4 +36,9 @@ def test_pump_bench_tcp(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     row = json.loads(out.read_text())["tcp"]
     assert row["size"] == 64 and row["rounds"] == 20 and 0 < row["p50_us"] <= row["p99_us"]
-    assert row["fi_pingpong_us"] is None or row["fi_pingpong_us"] > 0
+    ref = row["fi_pingpong_round_trip_us"]
+    assert ref is None or ref == 2 * row["fi_pingpong_us_per_xfer"] > 0
+    # the steps of a one-way trip, from the pumps' and devices' stamps on one host clock: causal, so never negative
+    steps = row["steps_p50_us"]
+    assert set(steps) == {"bell_to_proxy", "proxy_post", "post_to_remote_flag", "flag_to_device", "device_turnaround"}
+    assert all(0 <= v <= row["p99_us"] for v in steps.values()), steps

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call verifies a commit on the lent GPU machine (docs/cuda.md, "Verification"):
 #   bash tests/gpu/device_run.sh [STAGES] [bench args...]
-# STAGES: comma-separated from build, cpu, gpu, demo, bench, nodes (default: build,cpu,gpu,demo). The full build uses the
+# STAGES: comma-separated from build, cpu, gpu, demo, bench, proxy, nodes (default: build,cpu,gpu,demo). The full build uses the
 # libfabric headers carried in third_party_headers/libfabric (the image has the runtime only). Logs go to $OUT (or
 # ./gpu_out); the last lines printed are "SUMMARY ..." lines, one per stage. NVLink multicast stays off.
 set -o pipefail
@@ -64,6 +64,12 @@ if has demo; then  # the README's demo on the GPUs: backend "auto" picks "cuda"
 fi
 if has bench; then
   stage bench ${BENCH_LIMIT_S:-400} python3 -m jax_moe.bench moe --out "$OUT/bench" "$@"
+fi
+if has proxy; then  # the host path alone (issue 13): proxy round trip and raw engine, fi_pingpong beside them
+  [ -x "$LF/bin/fi_pingpong" ] && export PATH=$LF/bin:$PATH  # carried: the image has no libfabric-bin
+  stage proxy_pump 200 python3 -m jax_moe.bench pump --providers shm,tcp --json "$OUT/pump.json"
+  stage proxy_fabric 200 python3 -m jax_moe.bench fabric --providers shm,tcp --peers 1 --sizes 64,512K,4M \
+    --json "$OUT/fabric.json"
 fi
 if has nodes; then  # ranks on other nodes (issue 13) on one GPU: two processes under MPS with half the SMs each
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/jax_moe_mps CUDA_MPS_LOG_DIRECTORY=/tmp/jax_moe_mps_log
