@@ -33,15 +33,23 @@ def _worker(d: str, rank: int, provider: str, size: int, warmup: int, iters: int
     other = 1 - rank
     pr.connect([(_fetch(d, f"addr.{other}"), _fetch(d, f"desc.{other}"))])
     pr.start(own_thread=own_thread)
+    before = np.array(pr.pass_profile(), np.float64)
     device = np.array(pr.ping_pong(other, size, warmup, iters, rank == 0), np.int64)  # (rung, seen) per round
+    passes, ns, poll, hooks, post = np.array(pr.pass_profile(), np.float64) - before
     pump = np.array(pr.trace(warmup + iters), np.int64)[warmup:]  # (seen, posted, flagged) per round
-    mine = {"device": device.tolist(), "pump": pump.tolist()}
+    # The progress thread's passes during the run: how long one takes, and where it goes.
+    profile = {"pass_ns": ns / max(passes, 1), "poll": poll / max(ns, 1), "hooks": hooks / max(ns, 1),
+               "post": post / max(ns, 1)}
+    mine = {"device": device.tolist(), "pump": pump.tolist(), "pass": profile}
     if rank == 1:
         _publish(d, "rank1", json.dumps(mine).encode())
         _fetch(d, "results", 120)  # keep the endpoint alive until rank 0 is done
     else:
-        theirs = {k: np.array(v, np.int64) for k, v in json.loads(_fetch(d, "rank1", 120)).items()}
-        _publish(d, "results", json.dumps({"size": size, "rounds": iters, **breakdown(device, pump, theirs)}).encode())
+        theirs = json.loads(_fetch(d, "rank1", 120))
+        other_pass = theirs.pop("pass")
+        theirs = {k: np.array(v, np.int64) for k, v in theirs.items()}
+        _publish(d, "results", json.dumps({"size": size, "rounds": iters, "progress_pass": [profile, other_pass],
+                                           **breakdown(device, pump, theirs)}).encode())
     pr.close()
 
 
@@ -100,6 +108,9 @@ def main(argv: list[str]) -> int:
               f"{(f'{ref:.2f}' if ref is not None else 'n/a'):>19}{ratio}  {st['bell_to_proxy']:.2f}, "
               f"{st['proxy_post']:.2f}, {st['post_to_remote_flag']:.2f}, {st['flag_to_device']:.2f} "
               f"(rank 1's device answers in {st['device_turnaround']:.2f})")
+        for r, pp in enumerate(res["progress_pass"]):
+            print(f"{'':<9}rank {r}'s progress thread: {pp['pass_ns']:.0f} ns per pass: {100 * pp['poll']:.0f} % "
+                  f"polling completions, {100 * pp['hooks']:.0f} % in the pump, {100 * pp['post']:.0f} % posting")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

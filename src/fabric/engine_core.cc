@@ -48,7 +48,7 @@ void EngineCore::Start() {
 
 void EngineCore::CheckImm(uint64_t imm) const {
   const uint32_t max = caps_.max_imm;
-  Require(imm <= max, "imm " + std::to_string(imm) + " out of range: this provider carries immediates in [0, " +
+  JAX_MOE_REQUIRE(imm <= max, "imm " + std::to_string(imm) + " out of range: this provider carries immediates in [0, " +
                           std::to_string(max) + "]");
 }
 
@@ -115,6 +115,12 @@ EngineStats EngineCore::Stats() const {
   s.writes_posted = writes_posted_.load();
   s.write_errors = write_errors_.load();
   for (const auto& c : imms_per_nic_) s.imms_per_nic.push_back(c.load());
+  const double ns = profile_.NsPerTick();
+  s.progress_passes = profile_.passes.load(std::memory_order_relaxed);
+  s.progress_ns = ns * double(profile_.pass_ticks.load(std::memory_order_relaxed));
+  s.poll_ns = ns * double(profile_.ticks[PassProfile::kPoll].load(std::memory_order_relaxed));
+  s.hooks_ns = ns * double(profile_.ticks[PassProfile::kHooks].load(std::memory_order_relaxed));
+  s.post_ns = ns * double(profile_.ticks[PassProfile::kPost].load(std::memory_order_relaxed));
   return s;
 }
 

@@ -25,11 +25,16 @@
 #include "common/format.h"
 #include "fabric/backend.h"
 #include "fabric/imm_counter.h"
+#include "fabric/pass_profile.h"
 #include "fabric/peer_set.h"
 #include "fabric/transfer_engine.h"
 #include "fabric/wire.h"
 
 namespace jax_moe::fabric {
+
+// The engine whose progress thread this is (null elsewhere): what its hooks submit goes straight into its backlog,
+// with no lock and no hand-off.
+inline thread_local const class EngineCore* progress_owner = nullptr;
 
 // Completion state of a call run on the progress thread (RunOnProgress).
 struct CallState {
@@ -225,6 +230,7 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   std::map<uint64_t, std::function<bool()>> hooks_;
   uint64_t next_hook_id_ = 1;
   std::atomic<bool> closed_{false};
+  PassProfile profile_;  // the progress thread's time per phase (EngineStats)
   std::thread thread_;
 };
 

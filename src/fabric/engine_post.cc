@@ -26,7 +26,7 @@ bool PostQueue(std::deque<Item>& queue, KeyOf key_of, TryPost try_post) {
   if (queue.empty()) return false;
   bool progressed = false;
   std::vector<uint64_t> blocked;
-  std::deque<Item> keep;
+  std::vector<Item> keep;  // refused, or behind a refused one of the same (NIC, peer); nothing allocated if none
   while (!queue.empty()) {
     Item item = std::move(queue.front());
     queue.pop_front();
@@ -42,11 +42,7 @@ bool PostQueue(std::deque<Item>& queue, KeyOf key_of, TryPost try_post) {
     keep.push_back(std::move(item));
     if (blocked.size() >= kMaxBlocked) break;
   }
-  while (!queue.empty()) {
-    keep.push_back(std::move(queue.front()));
-    queue.pop_front();
-  }
-  queue.swap(keep);
+  for (size_t i = keep.size(); i-- > 0;) queue.push_front(std::move(keep[i]));  // before what was not tried, in order
   return progressed;
 }
 
@@ -56,17 +52,17 @@ uint64_t NicPeerKey(int nic, uint32_t peer) { return (static_cast<uint64_t>(nic)
 
 uint32_t EngineCore::CreatePeerSet(const std::vector<uint32_t>& peers, const std::vector<RegionDescriptor>& regions) {
   CheckOpen();
-  Require(!peers.empty(), "peer_set: no peers");
-  Require(peers.size() == regions.size(), "peer_set: " + std::to_string(peers.size()) + " peers but " +
+  JAX_MOE_REQUIRE(!peers.empty(), "peer_set: no peers");
+  JAX_MOE_REQUIRE(peers.size() == regions.size(), "peer_set: " + std::to_string(peers.size()) + " peers but " +
                                               std::to_string(regions.size()) + " descriptors");
-  Require(std::set<uint32_t>(peers.begin(), peers.end()).size() == peers.size(), "peer_set: duplicate peer");
+  JAX_MOE_REQUIRE(std::set<uint32_t>(peers.begin(), peers.end()).size() == peers.size(), "peer_set: duplicate peer");
   {
     // Cheap checks first, then ask the owners (a round trip, once per descriptor and peer).
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < peers.size(); ++i) {
-      Require(peers[i] < peers_.size() && peers_[peers[i]]->ready,
+      JAX_MOE_REQUIRE(peers[i] < peers_.size() && peers_[peers[i]]->ready,
               "peer_set: unknown peer " + std::to_string(peers[i]) + " (connect() it first)");
-      Require(regions[i].owner == peers_[peers[i]]->nonce, "peer_set: descriptor " + std::to_string(i) +
+      JAX_MOE_REQUIRE(regions[i].owner == peers_[peers[i]]->nonce, "peer_set: descriptor " + std::to_string(i) +
                                                                " was not registered by " + peers_[peers[i]]->label +
                                                                " (forged or mismatched)");
     }
@@ -75,13 +71,13 @@ uint32_t EngineCore::CreatePeerSet(const std::vector<uint32_t>& peers, const std
   auto set = std::make_unique<PeerSet>();
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < peers.size(); ++i) {
-    Require(peers[i] < peers_.size() && peers_[peers[i]]->ready,
+    JAX_MOE_REQUIRE(peers[i] < peers_.size() && peers_[peers[i]]->ready,
             "peer_set: unknown peer " + std::to_string(peers[i]) + " (connect() it first)");
     const PeerState& p = *peers_[peers[i]];
     const RegionDescriptor& d = regions[i];
-    Require(d.owner == p.nonce, "peer_set: descriptor " + std::to_string(i) +
+    JAX_MOE_REQUIRE(d.owner == p.nonce, "peer_set: descriptor " + std::to_string(i) +
                                     " was not registered by " + p.label + " (forged or mismatched)");
-    Require(static_cast<int>(d.keys.size()) == p.remote_num_nics,
+    JAX_MOE_REQUIRE(static_cast<int>(d.keys.size()) == p.remote_num_nics,
             "peer_set: descriptor " + std::to_string(i) + " has keys for " + std::to_string(d.keys.size()) +
                 " NICs, " + p.label + " has " + std::to_string(p.remote_num_nics));
     WriteTemplate t;
@@ -102,7 +98,7 @@ uint32_t EngineCore::CreatePeerSet(const std::vector<uint32_t>& peers, const std
 }
 
 const PeerSet& EngineCore::PeerSetLocked(uint32_t set) const {
-  Require(set < peer_sets_.size() && peer_sets_[set], "unknown peer set " + std::to_string(set));
+  JAX_MOE_REQUIRE(set < peer_sets_.size() && peer_sets_[set], "unknown peer set " + std::to_string(set));
   return *peer_sets_[set];
 }
 
@@ -133,13 +129,13 @@ void EngineCore::Scatter(uint32_t set, const MemoryRegion* src, const uint64_t* 
   {
     std::lock_guard<std::mutex> lock(mu_);
     const PeerSet& ps = PeerSetLocked(set);
-    Require(n == ps.members.size(), "scatter: got " + std::to_string(n) + " entries for a peer set of " +
+    JAX_MOE_REQUIRE(n == ps.members.size(), "scatter: got " + std::to_string(n) + " entries for a peer set of " +
                                         std::to_string(ps.members.size()) + " peers");
     const BackendRegion* local = nullptr;
     if (!zero_byte) {
-      Require(src != nullptr && src->core_.lock().get() == this, "scatter: region is not registered with this engine");
+      JAX_MOE_REQUIRE(src != nullptr && src->core_.lock().get() == this, "scatter: region is not registered with this engine");
       auto it = regions_.find(src->id_);
-      Require(it != regions_.end(), "scatter: region was deregistered");
+      JAX_MOE_REQUIRE(it != regions_.end(), "scatter: region was deregistered");
       local = it->second.region.get();
     }
     writes.resize(n);
@@ -150,14 +146,14 @@ void EngineCore::Scatter(uint32_t set, const MemoryRegion* src, const uint64_t* 
       uint64_t so = 0, len = 0, doff = 0;
       if (!zero_byte) {
         so = src_offsets[i], len = lengths[i], doff = dst_offsets[i];
-        Require(src->descriptor().Contains(so, len),
+        JAX_MOE_REQUIRE(src->descriptor().Contains(so, len),
                 "scatter: entry " + std::to_string(i) + " reads [" + std::to_string(so) + ", +" + std::to_string(len) +
                     ") outside the source region of " + std::to_string(src->size()) + " bytes");
-        Require(ps.regions[i].Contains(doff, len),
+        JAX_MOE_REQUIRE(ps.regions[i].Contains(doff, len),
                 "scatter: entry " + std::to_string(i) + " writes [" + std::to_string(doff) + ", +" +
                     std::to_string(len) + ") outside the remote region of " + std::to_string(t.remote_size) +
                     " bytes of " + p.label);
-        Require(len <= caps_.max_write_bytes, "scatter: entry " + std::to_string(i) + " exceeds the provider's " +
+        JAX_MOE_REQUIRE(len <= caps_.max_write_bytes, "scatter: entry " + std::to_string(i) + " exceeds the provider's " +
                                                   std::to_string(caps_.max_write_bytes) + "-byte write limit");
       }
       const void* base = zero_byte ? nullptr : src->data();
@@ -180,29 +176,29 @@ void EngineCore::Write(uint32_t peer, const MemoryRegion& src, uint64_t src_offs
   if (imm) CheckImm(*imm);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    Require(peer < peers_.size() && peers_[peer]->ready, "write: unknown peer " + std::to_string(peer));
-    Require(dst.owner == peers_[peer]->nonce,
+    JAX_MOE_REQUIRE(peer < peers_.size() && peers_[peer]->ready, "write: unknown peer " + std::to_string(peer));
+    JAX_MOE_REQUIRE(dst.owner == peers_[peer]->nonce,
             "write: descriptor was not registered by " + peers_[peer]->label + " (forged or mismatched)");
   }
   VerifyDescriptors({peer}, {dst});
   std::vector<PendingWrite> writes(1);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    Require(peer < peers_.size() && peers_[peer]->ready, "write: unknown peer " + std::to_string(peer));
+    JAX_MOE_REQUIRE(peer < peers_.size() && peers_[peer]->ready, "write: unknown peer " + std::to_string(peer));
     PeerState& p = *peers_[peer];
     if (p.failed) Throw(ErrorCode::kPeerFailed, "write: " + PeerListLocked({peer}));
-    Require(dst.owner == p.nonce, "write: descriptor was not registered by " + p.label + " (forged or mismatched)");
-    Require(static_cast<int>(dst.keys.size()) == p.remote_num_nics, "write: descriptor NIC count mismatch");
-    Require(src.core_.lock().get() == this, "write: region is not registered with this engine");
+    JAX_MOE_REQUIRE(dst.owner == p.nonce, "write: descriptor was not registered by " + p.label + " (forged or mismatched)");
+    JAX_MOE_REQUIRE(static_cast<int>(dst.keys.size()) == p.remote_num_nics, "write: descriptor NIC count mismatch");
+    JAX_MOE_REQUIRE(src.core_.lock().get() == this, "write: region is not registered with this engine");
     auto it = regions_.find(src.id_);
-    Require(it != regions_.end(), "write: region was deregistered");
-    Require(src.descriptor().Contains(src_offset, length), "write: source range [" + std::to_string(src_offset) + ", +" +
+    JAX_MOE_REQUIRE(it != regions_.end(), "write: region was deregistered");
+    JAX_MOE_REQUIRE(src.descriptor().Contains(src_offset, length), "write: source range [" + std::to_string(src_offset) + ", +" +
                                                                std::to_string(length) + ") outside the source region of " +
                                                                std::to_string(src.size()) + " bytes");
-    Require(dst.Contains(dst_offset, length), "write: destination range [" + std::to_string(dst_offset) + ", +" +
+    JAX_MOE_REQUIRE(dst.Contains(dst_offset, length), "write: destination range [" + std::to_string(dst_offset) + ", +" +
                                                   std::to_string(length) + ") outside the remote region of " +
                                                   std::to_string(dst.size) + " bytes");
-    Require(length <= caps_.max_write_bytes, "write: exceeds the provider's write size limit");
+    JAX_MOE_REQUIRE(length <= caps_.max_write_bytes, "write: exceeds the provider's write size limit");
     WriteTemplate t;
     t.peer = peer;
     t.nic = p.nic;
@@ -221,6 +217,10 @@ void EngineCore::Write(uint32_t peer, const MemoryRegion& src, uint64_t src_offs
 }
 
 void EngineCore::Submit(std::vector<PendingWrite>&& writes) {
+  if (progress_owner == this) {  // a hook of ours: posted later in this same pass (PostPending), no queue between
+    for (auto& w : writes) backlog_.push_back(std::move(w));
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(sq_mu_);
     if (sq_writes_.empty()) {

@@ -42,23 +42,32 @@ void EngineCore::ProgressLoop() {
   // a core forever; a truly idle engine naps up to 1 ms. A submission ends any nap at once.
   constexpr auto kHotWindow = std::chrono::milliseconds(2);
   constexpr auto kShortNap = std::chrono::microseconds(50);
+  progress_owner = this;
   uint64_t idle = 0;
   auto nap = std::chrono::microseconds(20);
   auto last_work = std::chrono::steady_clock::now();
+  PassClock clock(profile_);
   while (!stop_.load(std::memory_order_relaxed)) {
     bool work = false;
     try {
-      work |= DrainSubmissions();
-      work |= PostPending();
+      // Completions first, then the hooks (a proxy sees what just arrived and what its device rang), then what the
+      // hooks and other threads submitted is posted in this same pass: seeing a bell and posting its writes take one
+      // pass, not two.
       work |= PollAll();
+      clock.Lap(PassProfile::kPoll);
       {
         std::lock_guard<std::mutex> lock(hook_mu_);
         for (auto& hook : hooks_) work |= hook.second();
       }
+      clock.Lap(PassProfile::kHooks);
+      work |= DrainSubmissions();
+      work |= PostPending();
+      clock.Lap(PassProfile::kPost);
       if (!hello_resend_.empty()) ResendHellos();
     } catch (const std::exception& e) {
       JAX_MOE_LOG(kError, "progress thread: %s", e.what());
     }
+    clock.Pass();
     if (work) {
       idle = 0;
       nap = std::chrono::microseconds(20);
@@ -66,9 +75,15 @@ void EngineCore::ProgressLoop() {
       continue;
     }
     ++idle;
-    if (options_.busy_poll || idle < 200 || (idle & 63) != 0 ||
+    // A busy-polling engine (a GPU's proxy) owns its core: it yields rarely, only so that a thread sharing the core
+    // by mistake is not starved. Others yield every 16th idle pass to the waiters and processes beside them.
+    if (options_.busy_poll) {
+      if ((idle & 1023) == 0) sched_yield();
+      continue;
+    }
+    if (idle < 200 || (idle & 63) != 0 ||
         std::chrono::steady_clock::now() - last_work < kHotWindow) {  // the clock is read every 64th pass
-      if ((idle & 15) == 0) sched_yield();  // share the core with the waiter and other processes
+      if ((idle & 15) == 0) sched_yield();
       continue;
     }
     // Unposted work (a peer refusing with EAGAIN) also only earns short naps: retrying it in a
@@ -79,6 +94,7 @@ void EngineCore::ProgressLoop() {
     sq_cv_.wait_for(lock, busy ? std::chrono::microseconds(kShortNap) : nap,
                     [&] { return sq_nonempty_.load() || stop_.load(); });
     if (!busy) nap = std::min(nap * 2, std::chrono::microseconds(1000));
+    clock.Restart();  // a nap is not a pass
   }
 }
 

@@ -20,15 +20,15 @@ Channel::Channel(const ChannelConfig& config, const std::vector<bool>& remote,
       cv_(cv),
       staging_(config.lanes.num_ranks * config.lanes.region_bytes, std::move(allocate)) {
   const int64_t n = lanes().num_ranks, k = lanes().count;
-  Require(int64_t(remote.size()) == n, "Channel: one entry per rank");
+  JAX_MOE_REQUIRE(int64_t(remote.size()) == n, "Channel: one entry per rank");
   remote_index_.assign(n, -1);
   for (int64_t p = 0; p < n; ++p) {
     if (!remote[p]) continue;
     remote_index_[p] = int64_t(remote_ranks_.size());
     remote_ranks_.push_back(int32_t(p));
   }
-  Require(remote_ranks_.empty() || engine_, "Channel: ranks in other processes need a TransferEngine");
-  Require(remote_ranks_.size() == size_t(n) || local_, "Channel: ranks of this process need the device side");
+  JAX_MOE_REQUIRE(remote_ranks_.empty() || engine_, "Channel: ranks in other processes need a TransferEngine");
+  JAX_MOE_REQUIRE(remote_ranks_.size() == size_t(n) || local_, "Channel: ranks of this process need the device side");
   queue_.resize(n);
   last_received_.assign(k, 0);
   remote_credits_.assign(n * k, 0);
@@ -50,7 +50,7 @@ uint64_t Channel::SendsInFlight() const {
 }
 
 void Channel::Connect(const std::vector<fabric::PeerId>& peers, std::vector<fabric::RegionDescriptor> regions) {
-  Require(peers.size() == remote_ranks_.size() && regions.size() == peers.size(),
+  JAX_MOE_REQUIRE(peers.size() == remote_ranks_.size() && regions.size() == peers.size(),
           "Channel: one engine and one region per remote rank");
   if (peers.empty()) return;
   fabric::PeerSetId set = engine_->CreatePeerSet(peers, regions);

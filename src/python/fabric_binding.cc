@@ -182,6 +182,11 @@ void RegisterFabric(nb::module_& m) {
              d["writes_completed"] = st.writes_completed;
              d["write_errors"] = st.write_errors;
              d["imms_per_nic"] = st.imms_per_nic;
+             d["progress_passes"] = st.progress_passes;
+             d["progress_ns"] = st.progress_ns;
+             d["poll_ns"] = st.poll_ns;
+             d["hooks_ns"] = st.hooks_ns;
+             d["post_ns"] = st.post_ns;
              return d;
            })
       .def("close", &Engine::Close, nb::call_guard<nb::gil_scoped_release>());

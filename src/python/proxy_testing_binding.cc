@@ -186,6 +186,11 @@ class PumpRank {
     }
     return out;
   }
+  // The engine's progress thread so far: (passes, ns in passes, in polling, in hooks, in posting).
+  std::tuple<uint64_t, double, double, double, double> PassProfile() const {
+    const fabric::EngineStats st = engine_->Stats();
+    return {st.progress_passes, st.progress_ns, st.poll_ns, st.hooks_ns, st.post_ns};
+  }
   uint64_t region_bytes() const { return lanes_.region_bytes; }
   uint64_t header_bytes() const { return proxy::RegionHeaderBytes(shape_); }
   std::string Error() const { return pump_ ? pump_->error() : std::string(); }
@@ -240,6 +245,8 @@ void RegisterProxyTesting(nb::module_& m) {
       .def("bell", &PumpRank::Bell)
       .def("ring", &PumpRank::Ring)
       .def("error", &PumpRank::Error)
+      .def("pass_profile", &PumpRank::PassProfile,
+           "the progress thread so far: (passes, ns in passes, ns polling, ns in hooks, ns posting)")
       .def("ping_pong", &PumpRank::PingPong, nb::arg("peer"), nb::arg("size"), nb::arg("warmup"), nb::arg("iters"),
            nb::arg("leader"), nb::call_guard<nb::gil_scoped_release>(),
            "the benchmark's device loop in C++: per measured round (rung, arrival seen), steady-clock ns")
