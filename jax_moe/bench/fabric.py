@@ -204,8 +204,9 @@ def main(argv: list[str]) -> int:
                   f"{r['gbps']:>8.2f}")
         ref = fi_pingpong_us(provider, min(sizes))
         all_results[f"{provider}_fi_pingpong_us"] = ref
+        all_results[f"{provider}_fi_pingpong_round_trip_us"] = None if ref is None else 2 * ref
         print(f"{provider:<9}{_fmt_size(min(sizes)):>10}  fi_pingpong -e rdm (libfabric's own, same run): "
-              + (f"{ref:.1f} us/xfer" if ref is not None else "unavailable"))
+              + (f"{ref:.1f} us/xfer one way, {2 * ref:.1f} us round trip" if ref is not None else "unavailable"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(all_results, f, indent=1)
