@@ -32,18 +32,22 @@ std::set<uint32_t>& LiveIds() {
   return *ids;
 }
 
-// $JAX_MOE_PROXY_CPUS="c0,c1,...": the progress thread of GPU i's engine runs on core c[i % count]; unset: not pinned.
+// The core the progress thread of GPU `ordinal`'s engine runs on, or -1 (not pinned). $JAX_MOE_PROXY_CPUS="c0,c1,...":
+// core c[ordinal % count]; unset or "none": not pinned. Not pinned by default: the process cannot see which cores
+// other processes' proxies took (one process per GPU, or several on one GPU, each see their GPU as ordinal 0), and two
+// busy-polling proxies on one core would take turns on it.
 int ProxyCpu(int ordinal) {
   const char* env = std::getenv("JAX_MOE_PROXY_CPUS");
-  if (env == nullptr || *env == 0) return -1;
+  if (env == nullptr || *env == 0 || std::string(env) == "none") return -1;
   std::vector<int> cpus;
   std::stringstream in(env);
   std::string item;
   while (std::getline(in, item, ',')) {
     char* end = nullptr;
     const long v = std::strtol(item.c_str(), &end, 10);
-    Require(end != item.c_str() && *end == 0 && v >= 0,
-            "JAX_MOE_PROXY_CPUS must be a comma-separated list of core numbers, got \"" + std::string(env) + "\"");
+    Require(end != item.c_str() && *end == 0 && v >= 0 && v < CPU_SETSIZE,
+            "JAX_MOE_PROXY_CPUS must be \"none\" or a comma-separated list of core numbers, got \"" +
+                std::string(env) + "\"");
     cpus.push_back(int(v));
   }
   Require(!cpus.empty(), "JAX_MOE_PROXY_CPUS is empty");
@@ -84,7 +88,7 @@ DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, co
   try {
     fabric::EngineOptions options;
     options.busy_poll = true;  // the proxy thread of a GPU spins: every microsecond it naps is on the data path
-    options.progress_cpu = ProxyCpu(ordinal);
+    options.progress_cpu = proxy_cpu_ = ProxyCpu(ordinal);
     engine_ = proxy::AcquireEngine("cuda:" + std::to_string(ordinal), provider, options);
     Require(engine_->max_imm() == UINT32_MAX, "DeviceFabric: the fabric provider does not carry 32-bit immediates");
     Open(n, rank);

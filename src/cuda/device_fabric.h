@@ -61,6 +61,8 @@ class DeviceFabric {
 
   std::string Address() const { return engine_->Address(); }
   std::string provider() const { return engine_->provider(); }
+  // The core the GPU's proxy thread was asked to run on (-1: not pinned); the engine's first user chose it.
+  int proxy_cpu() const { return proxy_cpu_; }
   std::vector<std::string> Descriptors() const;  // [kFabricStreams] our receive areas
   // Connects to the remote ranks (every one of them, in any order) and starts the pump; `name(rank)` for errors.
   void Connect(const std::vector<RemoteEndpoint>& peers, std::function<std::string(int64_t)> name);
@@ -87,6 +89,7 @@ class DeviceFabric {
   int rank_;
   double timeout_s_;
   std::vector<bool> remote_;
+  int proxy_cpu_ = -1;
   uint32_t id_;  // comm_id & kIdMask, reserved in the process while this fabric lives
   proxy::NoPeersHere here_;
   std::mutex mu_;

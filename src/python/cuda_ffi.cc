@@ -130,9 +130,11 @@ void RegisterCuda(nb::module_& m) {
         d["memory"] = "pinned host memory mapped into the GPU";
         d["bytes"] = dev->fabric->BytesAllocated();
         d["remote_ranks"] = dev->args.num_remote;
+        d["proxy_cpu"] = dev->fabric->proxy_cpu();
         return d;
       },
-      "The fabric of a device ({} without remote ranks): provider, where its areas live, their bytes.");
+      "The fabric of a device ({} without remote ranks): provider, where its areas live, their bytes, the core of "
+      "its proxy thread (-1: not pinned).");
   cuda.def(
       "fabric_trace",
       [](int64_t id, int ordinal, int rounds) {
