@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -53,3 +55,18 @@ def test_model_bench_reproduces_pplx_and_scales_with_the_bytes(tmp_path):
             assert r["jax_moe_reduced"]["total_us"] <= r["jax_moe"]["combine"]["total_us"]
             # each token once per rank: never more dispatch bytes than pplx-garden's one row per (token, expert)
             assert r["jax_moe"]["dispatch"]["bytes_off_node"] <= r["pplx"]["dispatch"]["bytes_off_node"]
+
+
+def test_overlap_bench_runs_end_to_end_on_cpu(tmp_path):
+    """`python -m jax_moe.bench overlap` (issue 14) on the "cpu" backend: dispatch and combine, each alone, the GEMM
+    alone, and the GEMM pinned between the halves by barriers: its stamps come in program order (send, GEMM, recv)."""
+    out = tmp_path / "overlap.json"
+    p = subprocess.run([sys.executable, "-m", "jax_moe.bench", "overlap", "--backend", "cpu", "--iters", "3",
+                        "--warmup", "1", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [r["op"] for r in rows] == ["dispatch", "combine"] and all(r["backend"] == "cpu" for r in rows)
+    for r in rows:
+        assert r["comm_us"] > 0 and r["gemm_us"] > 0 and r["gemm_f"] % 128 == 0
+        assert r["min_step_us"] >= 0 and 0 < r["gemm_in_overlap_us"] and r["overlap_us"] > 0
+        assert r["hidden_fraction"] == pytest.approx((r["comm_us"] + r["gemm_us"] - r["overlap_us"]) / r["comm_us"])

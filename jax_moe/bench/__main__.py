@@ -9,6 +9,7 @@ SUITES = {
     "fabric": "jax_moe.bench.fabric",
     "pump": "jax_moe.bench.pump",
     "model": "jax_moe.bench.model",
+    "overlap": "jax_moe.bench.overlap",
 }
 
 

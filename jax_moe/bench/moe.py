@@ -260,10 +260,20 @@ def _busy(x):
     return jnp.sum(a[:1, :1]).astype(jnp.float32)
 
 
+def program(body, mesh, inputs, out_specs=None, place=jax.device_put):
+    """`body(x, xs, idx, w)` per rank, jitted over `mesh`'s axis, and the inputs placed for it: (f, args)."""
+    axis = mesh.axis_names[0]
+    x, xs, idx, w = inputs
+    specs = (P(axis), None if xs is None else P(axis), P(axis), P(axis))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(axis) if out_specs is None else out_specs,
+                              check_vma=False))
+    sh = NamedSharding(mesh, P(axis))
+    return f, [None if a is None else place(a, sh) for a in (x, xs, idx, w)]
+
+
 def _gpu_run(kind, comm_or_none, mesh, n, l, inputs, iters, unroll, warmup, split=True):
     timestamp = cuda_backend.timestamp
     axis = mesh.axis_names[0]
-    x, xs, idx, w = inputs
 
     def body(x, xs, idx, w):
         out, stamps = _busy(x), []
@@ -276,10 +286,7 @@ def _gpu_run(kind, comm_or_none, mesh, n, l, inputs, iters, unroll, warmup, spli
             stamps.append(s)
         return jnp.stack(stamps)[None]
 
-    specs = (P(axis), None if xs is None else P(axis), P(axis), P(axis))
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(axis), check_vma=False))
-    sh = NamedSharding(mesh, P(axis))
-    args = [None if a is None else multihost.place(a, sh) for a in (x, xs, idx, w)]
+    f, args = program(body, mesh, inputs, place=multihost.place)
     for _ in range(warmup):
         jax.block_until_ready(f(*args))
     chunks = []
@@ -305,7 +312,6 @@ def _cpu_run(comm, mesh, inputs, iters, warmup):
     """Host-clock stamps between the halves (the same chain as on GPU, one iteration per program)."""
     timestamp = cpu_backend.timestamp
     axis = mesh.axis_names[0]
-    x, xs, idx, w = inputs
 
     def body(x, xs, idx, w):
         words = []
@@ -318,10 +324,7 @@ def _cpu_run(comm, mesh, inputs, iters, warmup):
         out, _ = _api_iteration(comm, stamp32, x, xs, idx, w, x)
         return out, jnp.stack(words)[None]
 
-    specs = (P(axis), None if xs is None else P(axis), P(axis), P(axis))
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(axis), P(axis)), check_vma=False))
-    sh = NamedSharding(mesh, P(axis))
-    args = [None if a is None else jax.device_put(a, sh) for a in (x, xs, idx, w)]
+    f, args = program(body, mesh, inputs, out_specs=(P(axis), P(axis)))
     for _ in range(warmup + 1):
         jax.block_until_ready(f(*args))
     runs = [np.asarray(f(*args)[1]) for _ in range(iters)]  # [iters][n, 6, 2] uint32

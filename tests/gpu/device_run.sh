@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call verifies a commit on the lent GPU machine (docs/cuda.md, "Verification"):
 #   bash tests/gpu/device_run.sh [STAGES] [bench args...]
-# STAGES: comma-separated from build, cpu, gpu, demo, bench, proxy, nodes (default: build,cpu,gpu,demo). The full build uses the
+# STAGES: comma-separated from build, cpu, gpu, demo, bench, proxy, overlap, nodes (default: build,cpu,gpu,demo). The full build uses the
 # libfabric headers carried in third_party_headers/libfabric (the image has the runtime only). Logs go to $OUT (or
 # ./gpu_out); the last lines printed are "SUMMARY ..." lines, one per stage. NVLink multicast stays off.
 set -o pipefail
@@ -70,6 +70,11 @@ if has proxy; then  # the host path alone (issue 13): proxy round trip and raw e
   stage proxy_pump 200 python3 -m jax_moe.bench pump --providers shm,tcp --json "$OUT/pump.json"
   stage proxy_fabric 200 python3 -m jax_moe.bench fabric --providers shm,tcp --peers 1 --sizes 64,512K,4M \
     --json "$OUT/fabric.json"
+fi
+if has overlap; then  # issue 14's overlap benchmark: on the GPU (one GPU: EP1, the code path) and on the host's CPUs
+  stage overlap_gpu 200 python3 -m jax_moe.bench overlap --json "$OUT/overlap_gpu.json"
+  stage overlap_cpu 200 env JAX_PLATFORMS=cpu python3 -m jax_moe.bench overlap --backend cpu,xla \
+    --json "$OUT/overlap_cpu.json"
 fi
 if has nodes; then  # ranks on other nodes (issue 13) on one GPU: two processes under MPS with half the SMs each
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/jax_moe_mps CUDA_MPS_LOG_DIRECTORY=/tmp/jax_moe_mps_log

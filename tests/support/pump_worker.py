@@ -38,6 +38,38 @@ def wait(pr, word, value, what):
         time.sleep(0.0002)
 
 
+def check_arrivals(pr, k, rank, n, result, comm=COMM_ID):
+    """Round k's regions from every other rank: checked as the recv kernel checks them before it follows any count
+    (a bad one is recorded), then compared with what the sender wrote."""
+    for s in range(n):
+        if s == rank:
+            continue
+        problem = pr.check_region(k, s)
+        if problem:
+            result["bad_regions"].append(problem)
+            continue
+        want = region(pr, k, s, rank, comm=comm)
+        if pr.read_region(k, s, len(want)) != want:
+            raise AssertionError(f"round {k}: the region from rank {s} of Communicator {comm} differs")
+
+
+def exchange(d, rank, n, mine):
+    """Publishes this rank's JSON-able `mine` in DIR and returns every other rank's, in rank order."""
+    with open(os.path.join(d, f"addr.{rank}.tmp"), "w") as f:
+        json.dump(mine, f)
+    os.rename(os.path.join(d, f"addr.{rank}.tmp"), os.path.join(d, f"addr.{rank}"))
+    theirs = []
+    for q in range(n):
+        if q == rank:
+            continue
+        path = os.path.join(d, f"addr.{q}")
+        while not os.path.exists(path):
+            time.sleep(0.01)
+        with open(path) as f:
+            theirs.append(json.load(f))
+    return theirs
+
+
 def main():
     d, rank, n, provider, rounds, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], \
         int(sys.argv[5]), sys.argv[6]
@@ -45,19 +77,8 @@ def main():
     if mode == "shared":
         return shared(d, rank, n, provider, rounds)
     pr = pt.PumpRank(provider, rank, n, LANES, T, HIDDEN, COMM_ID, TIMEOUT_S)
-    with open(os.path.join(d, f"addr.{rank}.tmp"), "w") as f:
-        json.dump([pr.address().hex(), pr.descriptor().hex()], f)
-    os.rename(os.path.join(d, f"addr.{rank}.tmp"), os.path.join(d, f"addr.{rank}"))
-    peers = []
-    for q in range(n):
-        if q == rank:
-            continue
-        path = os.path.join(d, f"addr.{q}")
-        while not os.path.exists(path):
-            time.sleep(0.01)
-        a, desc = json.load(open(path))
-        peers.append((bytes.fromhex(a), bytes.fromhex(desc)))
-    pr.connect(peers)
+    pr.connect([(bytes.fromhex(a), bytes.fromhex(desc)) for a, desc in
+                exchange(d, rank, n, [pr.address().hex(), pr.descriptor().hex()])])
     pr.start()
     result = {"rank": rank, "rounds": 0, "error": "", "bad_regions": []}
     try:
@@ -76,16 +97,7 @@ def main():
                 pr.set_bytes(k, p, pr.region_bytes + 64 if overflow else len(data))
             pr.ring(pt.RUNG, k)
             wait(pr, pt.ARRIVED, k, "arrived")
-            for s in range(n):
-                if s == rank:
-                    continue
-                problem = pr.check_region(k, s)  # what the recv kernel checks before it follows any count
-                if problem:
-                    result["bad_regions"].append(problem)
-                    continue
-                want = region(pr, k, s, rank)
-                if pr.read_region(k, s, len(want)) != want:
-                    raise AssertionError(f"round {k}: the region from rank {s} differs")
+            check_arrivals(pr, k, rank, n, result)
             pr.ring(pt.READ, k)
             result["rounds"] = k
     except RuntimeError as e:
@@ -103,17 +115,7 @@ def shared(d, rank, n, provider, rounds):
     prs = [pt.PumpRank(provider, rank, n, LANES, T, HIDDEN, comms[0], TIMEOUT_S)]
     prs.append(pt.PumpRank(provider, rank, n, LANES, T, HIDDEN, comms[1], TIMEOUT_S, share_engine_of=prs[0]))
     assert prs[0].address() == prs[1].address()
-    with open(os.path.join(d, f"addr.{rank}.tmp"), "w") as f:
-        json.dump([prs[0].address().hex()] + [pr.descriptor().hex() for pr in prs], f)
-    os.rename(os.path.join(d, f"addr.{rank}.tmp"), os.path.join(d, f"addr.{rank}"))
-    peers = []
-    for q in range(n):
-        if q == rank:
-            continue
-        path = os.path.join(d, f"addr.{q}")
-        while not os.path.exists(path):
-            time.sleep(0.01)
-        peers.append(json.load(open(path)))
+    peers = exchange(d, rank, n, [prs[0].address().hex()] + [pr.descriptor().hex() for pr in prs])
     for i, pr in enumerate(prs):
         pr.connect([(bytes.fromhex(a), bytes.fromhex(descs[i])) for a, *descs in peers])
         pr.start()
@@ -133,16 +135,7 @@ def shared(d, rank, n, provider, rounds):
             for i in reversed(order):
                 pr = prs[i]
                 wait(pr, pt.ARRIVED, k, "arrived")
-                for s in range(n):
-                    if s == rank:
-                        continue
-                    problem = pr.check_region(k, s)
-                    if problem:
-                        result["bad_regions"].append(problem)
-                        continue
-                    want = region(pr, k, s, rank, comm=comms[i])
-                    if pr.read_region(k, s, len(want)) != want:
-                        raise AssertionError(f"round {k}: the region from rank {s} of Communicator {comms[i]} differs")
+                check_arrivals(pr, k, rank, n, result, comm=comms[i])
                 pr.ring(pt.READ, k)
             result["rounds"] = k
     except RuntimeError as e:

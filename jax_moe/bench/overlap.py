@@ -1,0 +1,222 @@
+"""`python -m jax_moe.bench overlap`: how much of dispatch and combine the send/recv split hides behind compute.
+
+Per rank and operation (dispatch, then combine), three programs, each timed by stamps inside it (the device clock on
+GPU, the host clock on CPU; the slowest rank per iteration):
+- comm:    send -> recv;
+- gemm:    the GEMM alone: the received rows' worth of tokens (T x top-k rows of `hidden`) times a [hidden, F] bf16
+           matrix, F chosen so that the GEMM alone takes about as long as the communication;
+- overlap: send -> GEMM -> recv, the GEMM pinned between the halves by the stamps around it (its input waits for
+           the send's handle, the recv's handle waits for its output).
+Hidden fraction = (t_comm + t_gemm - t_overlap) / t_comm (1: all of the communication hidden, 0: none); the GEMM's
+slowdown = its time inside the overlap program / its time alone - 1. p50s; the same options as `bench moe`.
+
+What occupies the device while data is in flight: every half is its own kernel (or host call), none stays resident
+between send and recv, so the GEMM has the whole GPU. On the NVLink path the send kernel itself moves the bytes (a
+receiver only waits for flags), on the proxy path and the "cpu" backend a host thread does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_moe
+from jax_moe.backends import cpu as cpu_backend
+from jax_moe.backends import cuda as cuda_backend
+from jax_moe.bench.moe import SHAPES, _inputs, program
+from jax_moe.types import CombineHandle, DispatchHandle
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m jax_moe.bench overlap", description=__doc__.split("\n")[0])
+    p.add_argument("--backend", default=None, help="comma list of cuda, cpu, xla (default: cuda on GPU, cpu on CPU)")
+    p.add_argument("--shape", default=None, help="comma list of small, decode, prefill (default: decode on GPU, "
+                                                 "small on CPU)")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (default 200 on GPU, 20 on CPU)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--cpu-devices", type=int, default=4, help="simulated CPU devices (CPU platform only)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the results here")
+    return p.parse_args(argv)
+
+
+def _stamper(gpu: bool) -> Callable:
+    """stamp(a, dep) -> (a, t): t a uint32 [2] (CPU) or uint64 [1] (GPU) time stamp, converted by _ns."""
+    return cuda_backend.timestamp if gpu else cpu_backend.timestamp
+
+
+def _ns(words: np.ndarray, gpu: bool) -> np.ndarray:
+    """[..., k, 1|2] stamps -> [..., k] ns as int64."""
+    if gpu:
+        return words[..., 0].astype(np.int64)
+    w = words.astype(np.int64)
+    return w[..., 0] | (w[..., 1] << 32)
+
+
+def _programs(comm, op: str, stamp, gemm_f: int):
+    """The per-rank bodies of the three programs of `op` ("dispatch" or "combine"): each returns its stamps."""
+    r = comm.cfg.experts_per_token
+
+    def gemm(a, b):
+        return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    def operands(x):
+        rows = x.shape[0] * r
+        a = jnp.full((rows, x.shape[1]), 0.01, jnp.bfloat16) * x[:1, :1].astype(jnp.bfloat16)
+        b = jnp.full((x.shape[1], gemm_f), 0.01, jnp.bfloat16)
+        return a, b
+
+    def send_recv(x, xs, idx, w, mid):
+        """send -> mid(handle) -> recv for `op`; mid returns the handle it was given (tied to what it did)."""
+        if op == "dispatch":
+            h = comm.dispatch_send(x, idx, x_scale=xs)
+            handle = mid(h._handle)
+            d = comm.dispatch_recv(DispatchHandle(h._x, h._x_scale, h._topk_idx, handle, h._comm_id))
+            return d.expert_x
+        d = comm.dispatch(x, idx, x_scale=xs)
+        return d.expert_x.astype(comm.cfg.combine_dtype), d, w
+
+    def comm_body(x, xs, idx, w):
+        x, t0 = stamp(x, x)
+        if op == "dispatch":
+            out = send_recv(x, xs, idx, w, lambda h: h)
+            out, t1 = stamp(out, out)
+            return jnp.stack([t0, t1])[None]
+        y, d, w = send_recv(x, xs, idx, w, None)
+        y, t0 = stamp(y, y)
+        c = comm.combine_send(y, d)
+        out = comm.combine_recv(CombineHandle(c._expert_y, c._dispatched, c._handle, c._comm_id), w)
+        out, t1 = stamp(out, out)
+        return jnp.stack([t0, t1])[None]
+
+    def gemm_body(x, xs, idx, w):
+        a, b = operands(x)
+        a, t0 = stamp(a, b)
+        g = gemm(a, b)
+        g, t1 = stamp(g, g)
+        return jnp.stack([t0, t1])[None]
+
+    def overlap_body(x, xs, idx, w):
+        a, b = operands(x)
+        stamps = {}
+
+        def mid(handle):
+            # Stamps order the GEMM: it starts once the send's handle exists, and the recv's handle passes through a
+            # stamp that waits for the GEMM's output (XLA drops optimization barriers before it schedules).
+            leaves, tree = jax.tree_util.tree_flatten(handle)
+            a2, stamps["g0"] = stamp(a, leaves[0])  # the first leaf is what the send wrote (its ticket)
+            g = gemm(a2, b)
+            leaves[0], stamps["g1"] = stamp(leaves[0], g)
+            stamps["g"] = g
+            return jax.tree_util.tree_unflatten(tree, leaves)
+
+        if op == "dispatch":
+            x, t0 = stamp(x, a)
+            out = send_recv(x, xs, idx, w, mid)
+        else:
+            y, d, w = send_recv(x, xs, idx, w, None)
+            y, t0 = stamp(y, a)
+            c = comm.combine_send(y, d)
+            chandle = mid(c._handle)
+            out = comm.combine_recv(CombineHandle(c._expert_y, c._dispatched, chandle, c._comm_id), w)
+        out, t1 = stamp(out, stamps["g"])
+        return jnp.stack([t0, stamps["g0"], stamps["g1"], t1])[None]
+
+    return comm_body, gemm_body, overlap_body
+
+
+def _run(body, mesh, inputs, iters: int, warmup: int, gpu: bool) -> np.ndarray:
+    """[iters, k] ns between successive stamps, the max over ranks per iteration."""
+    f, args = program(body, mesh, inputs)
+    for _ in range(warmup):
+        jax.block_until_ready(f(*args))
+    runs = [np.asarray(f(*args)) for _ in range(iters)]  # each [n, k, words]
+    ns = _ns(np.stack(runs, axis=1), gpu)  # [n, iters, k]
+    return np.diff(ns, axis=-1).max(axis=0) / 1e3  # us
+
+
+def measure(comm, mesh, inputs, op: str, iters: int, warmup: int, gpu: bool) -> dict:
+    stamp = _stamper(gpu)
+    hidden = inputs[0].shape[1]
+    comm_body, _, _ = _programs(comm, op, stamp, 128)
+    t_comm = float(np.median(_run(comm_body, mesh, inputs, iters, warmup, gpu)[:, 0]))
+    # F so that the GEMM alone takes about t_comm: time a probe width, then scale (GEMM time is ~linear in F).
+    probe = 1024
+    t_probe = float(np.median(_run(_programs(comm, op, stamp, probe)[1], mesh, inputs, max(5, iters // 4), warmup,
+                                   gpu)[:, 0]))
+    f = int(np.clip(round(probe * t_comm / max(t_probe, 1e-3) / 128) * 128, 128, 1 << 17))
+    _, gemm_body, overlap_body = _programs(comm, op, stamp, f)
+    t_gemm = float(np.median(_run(gemm_body, mesh, inputs, iters, warmup, gpu)[:, 0]))
+    ov = _run(overlap_body, mesh, inputs, iters, warmup, gpu)  # [iters, 3]: send, gemm, recv
+    t_total = float(np.median(ov.sum(axis=1)))
+    t_gemm_in = float(np.median(ov[:, 1]))
+    return {"op": op, "comm_us": t_comm, "gemm_us": t_gemm, "gemm_f": f, "gemm_rows": inputs[0].shape[0]
+            // mesh.size * comm.cfg.experts_per_token, "gemm_hidden": hidden, "overlap_us": t_total,
+            "gemm_in_overlap_us": t_gemm_in, "send_us": float(np.median(ov[:, 0])),
+            "recv_after_gemm_us": float(np.median(ov[:, 2])),
+            "hidden_fraction": (t_comm + t_gemm - t_total) / t_comm if t_comm > 0 else None,
+            "gemm_slowdown": t_gemm_in / t_gemm - 1 if t_gemm > 0 else None,
+            "min_step_us": float(ov.min()),  # stamps in program order: never negative
+            "sms_in_flight": 0}
+
+
+def main(argv) -> int:
+    args = _parse(list(argv))
+    try:
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    except RuntimeError:
+        pass
+    gpu = jax.default_backend() == "gpu"
+    backends = (args.backend or ("cuda" if gpu else "cpu")).split(",")
+    shapes = (args.shape or ("decode" if gpu else "small")).split(",")
+    iters = args.iters or (200 if gpu else 20)
+    devices = jax.devices()
+    n = len(devices)
+    mesh = jax.make_mesh((n,), ("ep",), devices=devices)
+    rng = np.random.default_rng(args.seed)
+    print(f"[overlap] platform={jax.default_backend()} ranks={n} devices={devices[0].device_kind} "
+          f"backends={backends} shapes={shapes}; us, p50 of the slowest rank", flush=True)
+    print(f"{'shape':<8}{'backend':<8}{'op':<9}{'comm':>9}{'gemm':>9}{'both':>9}{'hidden':>8}{'gemm slowed':>12}"
+          f"{'GEMM':>22}  SMs ours in flight")
+    results = []
+    for shape in shapes:
+        if shape not in SHAPES:
+            print(f"[overlap] unknown shape {shape!r}", file=sys.stderr)
+            return 2
+        t, hidden, e, r, fp8 = SHAPES[shape]
+        if e % n:
+            print(f"[overlap] skip {shape}: {e} experts not divisible by {n} ranks")
+            continue
+        cfg = jax_moe.MoEConfig(e, r, hidden, t, dispatch_dtype=jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
+        inputs = _inputs(rng, n, t, hidden, e, r, fp8)
+        for backend in backends:
+            try:
+                comm = jax_moe.Communicator(cfg, mesh, "ep", backend=backend)
+            except (jax_moe.BackendUnavailable, ValueError) as err:
+                print(f"[overlap] skip backend {backend}: {err}")
+                continue
+            for op in ("dispatch", "combine"):
+                res = {"shape": shape, "backend": backend, "ranks": n,
+                       **measure(comm, mesh, inputs, op, iters, args.warmup, gpu)}
+                results.append(res)
+                hid = res["hidden_fraction"]
+                slow = res["gemm_slowdown"]
+                print(f"{shape:<8}{backend:<8}{op:<9}{res['comm_us']:>9.1f}{res['gemm_us']:>9.1f}"
+                      f"{res['overlap_us']:>9.1f}{100 * hid:>7.0f}%{100 * slow:>11.0f}%"
+                      f"{res['gemm_rows']:>7}x{hidden}x{res['gemm_f']:<8}  {res['sms_in_flight']}", flush=True)
+            del comm
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"platform": jax.default_backend(), "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
