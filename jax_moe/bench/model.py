@@ -143,8 +143,8 @@ def main(argv: list[str]) -> int:
                     help="NICs per GPU jax_moe drives in the prediction (default: all of the setup's; each NIC carries "
                          "nic_gbps / nets)")
     ap.add_argument("--kernel-us", type=float, default=Costs.kernel_us)
-    ap.add_argument("--proxy-post-us", type=float, default=6.5,
-                    help="jax_moe's measured host cost per stage: bell seen -> posted (5-8 us at decode, "
+    ap.add_argument("--proxy-post-us", type=float, default=1.9,
+                    help="jax_moe's measured host cost per stage: bell seen -> posted (1.6-1.9 us at decode, "
                          "docs/benchmarks.md)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
