@@ -21,16 +21,22 @@ namespace {
 constexpr double kDrainBoundS = 5.0;
 constexpr uint32_t kIdMask = 0x3fff;  // bit 14 tells the combine channels apart, bit 15 is beyond the immediates
 
-// The immediate ids of the fabrics alive in this process: they share their GPU's engine, so two with the same id would
-// count each other's arrivals.
+// The (GPU, immediate id) of the fabrics alive in this process: the fabrics of one GPU share its engine, so two with
+// the same id there would count each other's arrivals (one Communicator has a fabric per GPU, each on its own engine).
 std::mutex& LiveMu() {
   static std::mutex* mu = new std::mutex;
   return *mu;
 }
-std::set<uint32_t>& LiveIds() {
-  static std::set<uint32_t>* ids = new std::set<uint32_t>;
+std::set<std::pair<int, uint32_t>>& LiveIds() {
+  static std::set<std::pair<int, uint32_t>>* ids = new std::set<std::pair<int, uint32_t>>;
   return *ids;
 }
+
+// What a fabric's writes read and write: kept past the fabric when some of them never completed (KeepUntilClosed).
+struct Areas {
+  std::vector<std::unique_ptr<PinnedBuffer>> buffers;
+  std::vector<std::shared_ptr<fabric::MemoryRegion>> regions;  // deregistered first, then the memory freed
+};
 
 // The core the progress thread of GPU `ordinal`'s engine runs on, or -1 (not pinned). $JAX_MOE_PROXY_CPUS="c0,c1,...":
 // core c[ordinal % count]; unset or "none": not pinned. Not pinned by default: the process cannot see which cores
@@ -75,13 +81,14 @@ PinnedBuffer::~PinnedBuffer() {
 
 DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, const std::vector<bool>& remote,
                            int ordinal, const std::string& provider, double timeout_s)
-    : shape_(shape), rank_(rank), timeout_s_(timeout_s), remote_(remote), id_(comm_id & kIdMask) {
+    : shape_(shape), rank_(rank), timeout_s_(timeout_s), remote_(remote), ordinal_(ordinal), provider_(provider),
+      id_(comm_id & kIdMask) {
   const int64_t n = shape.num_ranks;
   Require(int64_t(remote.size()) == n && !remote[rank], "DeviceFabric: one entry per rank, not this one");
   Require(n <= proxy::kMaxRanks, "DeviceFabric: too many ranks for the immediates");
   {
     std::lock_guard<std::mutex> lock(LiveMu());
-    Require(LiveIds().insert(id_).second,
+    Require(LiveIds().insert({ordinal_, id_}).second,
             "jax_moe cuda: Communicator " + std::to_string(comm_id) + " has ranks on other nodes, like a live one whose "
             "id is equal modulo " + std::to_string(kIdMask + 1) + ": free Communicators no longer used");
   }
@@ -89,14 +96,14 @@ DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, co
     fabric::EngineOptions options;
     options.busy_poll = true;  // the proxy thread of a GPU spins: every microsecond it naps is on the data path
     options.progress_cpu = proxy_cpu_ = ProxyCpu(ordinal);
-    engine_ = proxy::AcquireEngine("cuda:" + std::to_string(ordinal), provider, options);
+    engine_ = proxy::AcquireEngine(EngineKey(), provider, options);
     Require(engine_->max_imm() == UINT32_MAX, "DeviceFabric: the fabric provider does not carry 32-bit immediates");
     Open(n, rank);
   } catch (...) {
     streams_.clear();
     engine_.reset();
     std::lock_guard<std::mutex> lock(LiveMu());
-    LiveIds().erase(id_);
+    LiveIds().erase({ordinal_, id_});
     throw;
   }
 }
@@ -140,17 +147,33 @@ DeviceFabric::~DeviceFabric() {
   pump_.reset();
   // Our writes (not the engine's: it is shared) must be done before the areas they read are freed.
   const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  bool left = false;
   for (Stream& st : streams_) {
     try {
       while (st.channel && st.channel->SendsInFlight() > 0 && std::chrono::steady_clock::now() < end)
         std::this_thread::sleep_for(std::chrono::microseconds(50));
-    } catch (const std::exception&) {
+      left |= st.channel && st.channel->SendsInFlight() > 0;
+    } catch (const std::exception&) {  // a closed engine: nothing of ours is left in it
+    }
+  }
+  if (left) {
+    // Writes that never completed (a peer that died): the shared engine may still post or complete them, and peers
+    // may still write into our receive areas. Their memory stays registered until the engine itself is closed.
+    auto areas = std::make_shared<Areas>();
+    for (Stream& st : streams_) {
+      for (auto* b : {&st.words, &st.send, &st.recv}) areas->buffers.push_back(std::move(*b));
+      areas->regions.push_back(std::move(st.send_mr));
+      areas->regions.push_back(std::move(st.recv_mr));
+    }
+    try {
+      proxy::KeepUntilClosed(EngineKey(), provider_, areas);
+    } catch (const std::exception&) {  // not open: nothing can use them any more
     }
   }
   streams_.clear();  // channels (peer sets, banked immediates), then registrations and pinned memory
   engine_.reset();
   std::lock_guard<std::mutex> lock(LiveMu());
-  LiveIds().erase(id_);
+  LiveIds().erase({ordinal_, id_});
 }
 
 std::vector<std::string> DeviceFabric::Descriptors() const {

@@ -89,8 +89,11 @@ class DeviceFabric {
   int rank_;
   double timeout_s_;
   std::vector<bool> remote_;
+  int ordinal_;
+  std::string provider_;
   int proxy_cpu_ = -1;
-  uint32_t id_;  // comm_id & kIdMask, reserved in the process while this fabric lives
+  uint32_t id_;  // comm_id & kIdMask, reserved on this GPU's engine while this fabric lives
+  std::string EngineKey() const { return "cuda:" + std::to_string(ordinal_); }  // proxy/engine_pool.h
   proxy::NoPeersHere here_;
   std::mutex mu_;
   std::condition_variable cv_;

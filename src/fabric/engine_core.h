@@ -97,7 +97,8 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   void Scatter(uint32_t set, const MemoryRegion* src, const uint64_t* src_offsets, const uint64_t* lengths,
                const uint64_t* dst_offsets, size_t n, std::optional<uint32_t> imm, bool zero_byte);
   void Write(uint32_t peer, const MemoryRegion& src, uint64_t src_offset, uint64_t length,
-             const RegionDescriptor& dst, uint64_t dst_offset, std::optional<uint32_t> imm);
+             const RegionDescriptor& dst, uint64_t dst_offset, std::optional<uint32_t> imm,
+             std::optional<uint32_t> counted_in = std::nullopt);
   void WaitImm(uint32_t imm, uint64_t count, double timeout_s);
   void WaitImmFrom(uint32_t imm, const std::vector<uint32_t>& peers, double timeout_s);
   void WaitSends(double timeout_s);

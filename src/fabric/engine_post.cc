@@ -171,7 +171,8 @@ void EngineCore::Scatter(uint32_t set, const MemoryRegion* src, const uint64_t* 
 }
 
 void EngineCore::Write(uint32_t peer, const MemoryRegion& src, uint64_t src_offset, uint64_t length,
-                       const RegionDescriptor& dst, uint64_t dst_offset, std::optional<uint32_t> imm) {
+                       const RegionDescriptor& dst, uint64_t dst_offset, std::optional<uint32_t> imm,
+                       std::optional<uint32_t> counted_in) {
   CheckOpen();
   if (imm) CheckImm(*imm);
   {
@@ -210,6 +211,10 @@ void EngineCore::Write(uint32_t peer, const MemoryRegion& src, uint64_t src_offs
                &writes[0].req);
     writes[0].nic = p.nic;
     writes[0].peer = peer;
+    if (counted_in) {
+      writes[0].set_in_flight = PeerSetLocked(*counted_in).in_flight;
+      writes[0].set_in_flight->fetch_add(1, std::memory_order_relaxed);
+    }
     p.in_flight++;
   }
   writes_posted_++;

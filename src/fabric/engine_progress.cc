@@ -49,24 +49,28 @@ void EngineCore::ProgressLoop() {
   PassClock clock(profile_);
   while (!stop_.load(std::memory_order_relaxed)) {
     bool work = false;
-    try {
-      // Completions first, then the hooks (a proxy sees what just arrived and what its device rang), then what the
-      // hooks and other threads submitted is posted in this same pass: seeing a bell and posting its writes take one
-      // pass, not two.
-      work |= PollAll();
-      clock.Lap(PassProfile::kPoll);
-      {
-        std::lock_guard<std::mutex> lock(hook_mu_);
-        for (auto& hook : hooks_) work |= hook.second();
+    // Completions first, then the hooks (a proxy sees what just arrived and what its device rang), then what the
+    // hooks and other threads submitted is posted in this same pass: seeing a bell and posting its writes take one
+    // pass, not two. Each phase fails alone: an error in one must not starve the others (nor the callers waiting in
+    // RunOnProgress), pass after pass.
+    const auto phase = [&](const char* what, auto&& fn) {
+      try {
+        work |= fn();
+      } catch (const std::exception& e) {
+        JAX_MOE_LOG(kError, "progress thread, %s: %s", what, e.what());
       }
-      clock.Lap(PassProfile::kHooks);
-      work |= DrainSubmissions();
-      work |= PostPending();
-      clock.Lap(PassProfile::kPost);
-      if (!hello_resend_.empty()) ResendHellos();
-    } catch (const std::exception& e) {
-      JAX_MOE_LOG(kError, "progress thread: %s", e.what());
+    };
+    phase("polling", [&] { return PollAll(); });
+    clock.Lap(PassProfile::kPoll);
+    {
+      std::lock_guard<std::mutex> lock(hook_mu_);  // RemoveProgressHook waits for a running hook on it
+      for (auto& hook : hooks_) phase("a progress hook", hook.second);
     }
+    clock.Lap(PassProfile::kHooks);
+    phase("submissions", [&] { return DrainSubmissions(); });
+    phase("posting", [&] { return PostPending(); });
+    clock.Lap(PassProfile::kPost);
+    if (!hello_resend_.empty()) phase("hellos", [&] { ResendHellos(); return false; });
     clock.Pass();
     if (work) {
       idle = 0;

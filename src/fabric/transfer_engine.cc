@@ -60,8 +60,9 @@ void TransferEngine::Barrier(PeerSetId set, uint32_t imm) {
 }
 
 void TransferEngine::Write(PeerId peer, const MemoryRegion& src, uint64_t src_offset, uint64_t length,
-                           const RegionDescriptor& dst, uint64_t dst_offset, std::optional<uint32_t> imm) {
-  core_->Write(peer, src, src_offset, length, dst, dst_offset, imm);
+                           const RegionDescriptor& dst, uint64_t dst_offset, std::optional<uint32_t> imm,
+                           std::optional<PeerSetId> counted_in) {
+  core_->Write(peer, src, src_offset, length, dst, dst_offset, imm, counted_in);
 }
 
 void TransferEngine::WaitImm(uint32_t imm, uint64_t count, double timeout_s) { core_->WaitImm(imm, count, timeout_s); }

@@ -130,8 +130,11 @@ class TransferEngine {
                const uint64_t* dst_offsets, size_t n, std::optional<uint32_t> imm);
   // A zero-byte write with immediate `imm` to every member.
   void Barrier(PeerSetId set, uint32_t imm);
+  // counted_in: also count the write in that peer set's writes in flight (SendsInFlight(set)), for a user that
+  // writes to a member of its set one by one.
   void Write(PeerId peer, const MemoryRegion& src, uint64_t src_offset, uint64_t length,
-             const RegionDescriptor& dst, uint64_t dst_offset, std::optional<uint32_t> imm);
+             const RegionDescriptor& dst, uint64_t dst_offset, std::optional<uint32_t> imm,
+             std::optional<PeerSetId> counted_in = std::nullopt);
 
   // Waits until `count` immediates `imm` arrived (from anyone) and consumes them.
   void WaitImm(uint32_t imm, uint64_t count, double timeout_s);

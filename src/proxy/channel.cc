@@ -140,7 +140,7 @@ void Channel::Post(uint64_t round, const fabric::MemoryRegion& src, const std::v
   for (size_t j = 0; j < ranks.size(); ++j) {
     const int64_t i = remote_index_[ranks[j]];
     try {
-      engine_->Write(remote_peers_[i], src, src_offsets[j], bytes[j], remote_regions_[i], dst, imm);
+      engine_->Write(remote_peers_[i], src, src_offsets[j], bytes[j], remote_regions_[i], dst, imm, peer_set_);
     } catch (const Error& e) {
       failed.push_back(ranks[j]);
       why = e.what();
@@ -186,7 +186,7 @@ void Channel::Flush() {
         out.staging->remote_pending = true;
         engine_->Write(remote_peers_[i], *out.staging->mr, p * lanes().region_bytes, out.bytes, remote_regions_[i],
                        lanes().Offset(out.round, config_.rank),
-                       Imm(config_.data_kind, out.round, uint32_t(config_.rank)));
+                       Imm(config_.data_kind, out.round, uint32_t(config_.rank)), peer_set_);
       }
       out.staging->queued -= 1;
       queue.pop_front();

@@ -1,5 +1,7 @@
 #include "proxy/engine_pool.h"
 
+#include "common/error.h"
+
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -8,6 +10,8 @@
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include "common/error.h"
 
 namespace jax_moe::proxy {
 
@@ -19,8 +23,18 @@ using Key = std::pair<std::string, std::string>;
 struct Entry {
   std::shared_ptr<fabric::TransferEngine> engine;
   int64_t users = 0;
-  Clock::time_point close_at;  // when users == 0
+  Clock::time_point close_at;                // when users == 0
+  std::vector<std::shared_ptr<void>> keep;  // KeepUntilClosed: released once the engine is closed
 };
+
+// Closes the engines (each joins its progress thread), then releases what had to outlive them. Outside the lock.
+void Close(std::vector<Entry>& doomed) {
+  for (Entry& e : doomed) {
+    e.engine.reset();
+    e.keep.clear();
+  }
+  doomed.clear();
+}
 
 struct Pool {
   std::mutex mu;
@@ -41,12 +55,12 @@ void CloserLoop() {
   Pool& pool = GetPool();
   std::unique_lock<std::mutex> lock(pool.mu);
   while (!pool.stop) {
-    std::vector<std::shared_ptr<fabric::TransferEngine>> doomed;
+    std::vector<Entry> doomed;
     Clock::time_point next = Clock::time_point::max();
     const Clock::time_point now = Clock::now();
     for (auto it = pool.engines.begin(); it != pool.engines.end();) {
       if (it->second.users == 0 && it->second.close_at <= now) {
-        doomed.push_back(std::move(it->second.engine));
+        doomed.push_back(std::move(it->second));
         it = pool.engines.erase(it);
       } else {
         if (it->second.users == 0) next = std::min(next, it->second.close_at);
@@ -55,7 +69,7 @@ void CloserLoop() {
     }
     if (!doomed.empty()) {
       lock.unlock();
-      doomed.clear();  // TransferEngine::Close (joins its progress thread) outside the lock
+      Close(doomed);
       lock.lock();
       continue;
     }
@@ -104,7 +118,7 @@ std::shared_ptr<fabric::TransferEngine> AcquireEngine(const std::string& device,
 void CloseIdleEngines() {
   Pool& pool = GetPool();
   std::thread closer;
-  std::vector<std::shared_ptr<fabric::TransferEngine>> doomed;
+  std::vector<Entry> doomed;
   {
     std::lock_guard<std::mutex> lock(pool.mu);
     pool.stop = true;
@@ -117,14 +131,22 @@ void CloseIdleEngines() {
     pool.stop = false;
     for (auto it = pool.engines.begin(); it != pool.engines.end();) {
       if (it->second.users == 0) {
-        doomed.push_back(std::move(it->second.engine));
+        doomed.push_back(std::move(it->second));
         it = pool.engines.erase(it);
       } else {
         ++it;
       }
     }
   }
-  doomed.clear();
+  Close(doomed);
+}
+
+void KeepUntilClosed(const std::string& device, const std::string& provider, std::shared_ptr<void> what) {
+  Pool& pool = GetPool();
+  std::lock_guard<std::mutex> lock(pool.mu);
+  auto it = pool.engines.find(Key{device, provider});
+  Require(it != pool.engines.end(), "KeepUntilClosed: no engine of " + device + " and " + provider + " is open");
+  it->second.keep.push_back(std::move(what));
 }
 
 int64_t OpenEngines() {

@@ -28,6 +28,11 @@ std::shared_ptr<fabric::TransferEngine> AcquireEngine(const std::string& device,
 // For interpreter exit; engines acquired afterwards work as before.
 void CloseIdleEngines();
 
+// Keeps `what` (memory an engine's writes may still read or write: registrations, buffers) alive until the engine of
+// `device` and `provider` is closed, for a user that goes while some of its writes never completed (a dead peer's):
+// the engine may still post or complete them, so their memory must outlive it. The engine must be open (held).
+void KeepUntilClosed(const std::string& device, const std::string& provider, std::shared_ptr<void> what);
+
 // Engines open now: held by a Communicator or lingering.
 int64_t OpenEngines();
 

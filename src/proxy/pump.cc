@@ -130,7 +130,7 @@ bool Pump::Step(Link& link, State& st) {
     if (st.waiting_since < 0) st.waiting_since = now;
     if (now - st.waiting_since > timeout_s_) {
       std::vector<int32_t> missing;
-      ch.Arrived(st.flagged + 1, &missing);
+      if (ch.Arrived(st.flagged + 1, &missing)) return true;  // it came in just now: the next pass flags it
       std::string names;
       for (int32_t p : missing) names += (names.empty() ? "" : ", ") + name_(p);
       Stop(std::string(ch.config().name) + " on " + name_(ch.config().rank) + ": no data from " + names +
