@@ -129,6 +129,7 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
     int nic;
     uint32_t peer;
     std::shared_ptr<std::atomic<int64_t>> set_in_flight;  // through a peer set: its count
+    std::shared_ptr<std::atomic<bool>> set_gone;           // and whether it was destroyed since
   };
   struct PendingCall {
     std::function<void()> fn;
@@ -232,6 +233,7 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   uint64_t next_hook_id_ = 1;
   std::atomic<bool> closed_{false};
   PassProfile profile_;  // the progress thread's time per phase (EngineStats)
+  std::atomic<uint64_t> pass_seq_{0};  // odd while the progress thread is inside a pass (DestroyPeerSet waits it out)
   std::thread thread_;
 };
 

@@ -107,11 +107,22 @@ size_t EngineCore::PeerSetSize(uint32_t set) const {
   return PeerSetLocked(set).members.size();
 }
 
-// The slot stays (ids are indices); writes still out count down the set's shared counter, which they hold.
+// The slot stays (ids are indices); writes still out count down the set's shared counter, which they hold. Writes of
+// the set not yet posted (queued, or refused by a full queue) are dropped by PostPending from now on; a pass that may
+// have read the flag before it was set is waited out (bounded), so that once this returns the set's user may free
+// what its queued writes would have read.
 void EngineCore::DestroyPeerSet(uint32_t set) {
-  std::lock_guard<std::mutex> lock(mu_);
-  PeerSetLocked(set);
-  peer_sets_[set].reset();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    PeerSetLocked(set).gone->store(true, std::memory_order_seq_cst);
+    peer_sets_[set].reset();
+  }
+  if (progress_owner == this) return;  // called from a hook: no pass of ours is half done
+  const uint64_t seq = pass_seq_.load(std::memory_order_seq_cst);
+  if ((seq & 1) == 0) return;  // between passes: the next one sees the flag
+  const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+  while (pass_seq_.load(std::memory_order_seq_cst) == seq && !stop_.load() && std::chrono::steady_clock::now() < end)
+    std::this_thread::yield();
 }
 
 uint64_t EngineCore::SendsInFlight(uint32_t set) const {
@@ -162,6 +173,7 @@ void EngineCore::Scatter(uint32_t set, const MemoryRegion* src, const uint64_t* 
       writes[i].nic = t.nic;
       writes[i].peer = t.peer;
       writes[i].set_in_flight = ps.in_flight;
+      writes[i].set_gone = ps.gone;
     }
     for (const auto& w : writes) peers_[w.peer]->in_flight++;
     ps.in_flight->fetch_add(int64_t(n), std::memory_order_relaxed);
@@ -212,7 +224,9 @@ void EngineCore::Write(uint32_t peer, const MemoryRegion& src, uint64_t src_offs
     writes[0].nic = p.nic;
     writes[0].peer = peer;
     if (counted_in) {
-      writes[0].set_in_flight = PeerSetLocked(*counted_in).in_flight;
+      const PeerSet& ps = PeerSetLocked(*counted_in);
+      writes[0].set_in_flight = ps.in_flight;
+      writes[0].set_gone = ps.gone;
       writes[0].set_in_flight->fetch_add(1, std::memory_order_relaxed);
     }
     p.in_flight++;
@@ -263,6 +277,14 @@ bool EngineCore::PostPending() {
           OpContext* op = NewOp(OpContext::kWrite, w.peer, w.nic);
           op->set_in_flight = std::move(w.set_in_flight);
           w.req.context = op;
+        }
+        if (w.set_gone && w.set_gone->load(std::memory_order_seq_cst)) {
+          // Its peer set's user is gone and may have freed the memory: drop it. It completes as done, not failed:
+          // nobody waits for it, and it must not read as a failure to the engine's other users.
+          WriteDone(static_cast<OpContext*>(w.req.context), true);
+          std::lock_guard<std::mutex> lock(sends_mu_);
+          sends_cv_.notify_all();
+          return PostOutcome::kDropped;
         }
         try {
           return backend_->PostWrites(w.nic, &w.req, 1) == 1 ? PostOutcome::kDone : PostOutcome::kRefused;

@@ -48,6 +48,7 @@ void EngineCore::ProgressLoop() {
   auto last_work = std::chrono::steady_clock::now();
   PassClock clock(profile_);
   while (!stop_.load(std::memory_order_relaxed)) {
+    pass_seq_.fetch_add(1, std::memory_order_seq_cst);  // odd: inside a pass
     bool work = false;
     // Completions first, then the hooks (a proxy sees what just arrived and what its device rang), then what the
     // hooks and other threads submitted is posted in this same pass: seeing a bell and posting its writes take one
@@ -72,6 +73,7 @@ void EngineCore::ProgressLoop() {
     clock.Lap(PassProfile::kPost);
     if (!hello_resend_.empty()) phase("hellos", [&] { ResendHellos(); return false; });
     clock.Pass();
+    pass_seq_.fetch_add(1, std::memory_order_seq_cst);  // even: between passes
     if (work) {
       idle = 0;
       nap = std::chrono::microseconds(20);

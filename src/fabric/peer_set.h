@@ -45,6 +45,8 @@ struct PeerSet {
   // while its writes are out is still counted down safely. Its user (a proxy channel) waits on its own writes only,
   // not on those of every other user of the engine.
   std::shared_ptr<std::atomic<int64_t>> in_flight = std::make_shared<std::atomic<int64_t>>(0);
+  // Set when the set is destroyed: its writes not yet posted are dropped, not posted (their memory may be gone).
+  std::shared_ptr<std::atomic<bool>> gone = std::make_shared<std::atomic<bool>>(false);
 };
 
 }  // namespace jax_moe::fabric

@@ -364,3 +364,26 @@ def test_shm_endpoint_opens_beside_a_stale_region_with_our_pid():
 
     p = subprocess.run([sys.executable, "-c", _STALE_SHM], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "opened" in p.stdout, p.stdout + p.stderr
+
+
+def test_writes_of_a_destroyed_peer_set_are_dropped_not_posted(pair):
+    """A peer set's user that goes (a Communicator of a shared engine) may free its memory once destroy_peer_set
+    returns: its writes not yet posted are dropped, complete as done (no error for the engine's other users), and the
+    engine goes on serving other sets."""
+    a, b = pair
+    ma, mb = a.register(np.zeros(1 << 16, np.uint8)), b.register(np.zeros(1 << 16, np.uint8))
+    p = a.connect(b.address(), 5)
+    rounds = 300
+    for _ in range(rounds):
+        ps = a.peer_set([p], [mb.descriptor()])
+        a.scatter(ps, ma, [0], [4096], [0], 7)  # queued for the progress thread ...
+        a.destroy_peer_set(ps)  # ... which, from now on, drops it instead of posting it
+    deadline = time.monotonic() + 5
+    while a.sends_in_flight() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert a.sends_in_flight() == 0 and a.stats()["write_errors"] == 0
+    time.sleep(0.2)
+    assert b._eng.banked_imm(7) < rounds  # most were never posted
+    ps = a.peer_set([p], [mb.descriptor()])
+    a.scatter(ps, ma, [0], [64], [0], 8)
+    b.wait_imm(8, 1, 5)
