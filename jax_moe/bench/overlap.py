@@ -72,26 +72,22 @@ def _programs(comm, op: str, stamp, gemm_f: int):
         b = jnp.full((x.shape[1], gemm_f), 0.01, jnp.bfloat16)
         return a, b
 
-    def send_recv(x, xs, idx, w, mid):
-        """send -> mid(handle) -> recv for `op`; mid returns the handle it was given (tied to what it did)."""
+    def timed_op(x, xs, idx, w, mid, dep=None):
+        """stamp (once `dep` is ready) -> send -> mid(handle) -> recv of `op`: (start stamp, output). mid returns the
+        handle it was given, tied to whatever it did. Combine's input is a dispatch before the stamp, not timed."""
         if op == "dispatch":
+            x, t0 = stamp(x, x if dep is None else dep)
             h = comm.dispatch_send(x, idx, x_scale=xs)
-            handle = mid(h._handle)
-            d = comm.dispatch_recv(DispatchHandle(h._x, h._x_scale, h._topk_idx, handle, h._comm_id))
-            return d.expert_x
+            d = comm.dispatch_recv(DispatchHandle(h._x, h._x_scale, h._topk_idx, mid(h._handle), h._comm_id))
+            return t0, d.expert_x
         d = comm.dispatch(x, idx, x_scale=xs)
-        return d.expert_x.astype(comm.cfg.combine_dtype), d, w
+        y = d.expert_x.astype(comm.cfg.combine_dtype)
+        y, t0 = stamp(y, y if dep is None else dep)
+        c = comm.combine_send(y, d)
+        return t0, comm.combine_recv(CombineHandle(c._expert_y, c._dispatched, mid(c._handle), c._comm_id), w)
 
     def comm_body(x, xs, idx, w):
-        x, t0 = stamp(x, x)
-        if op == "dispatch":
-            out = send_recv(x, xs, idx, w, lambda h: h)
-            out, t1 = stamp(out, out)
-            return jnp.stack([t0, t1])[None]
-        y, d, w = send_recv(x, xs, idx, w, None)
-        y, t0 = stamp(y, y)
-        c = comm.combine_send(y, d)
-        out = comm.combine_recv(CombineHandle(c._expert_y, c._dispatched, c._handle, c._comm_id), w)
+        t0, out = timed_op(x, xs, idx, w, lambda h: h)
         out, t1 = stamp(out, out)
         return jnp.stack([t0, t1])[None]
 
@@ -116,15 +112,7 @@ def _programs(comm, op: str, stamp, gemm_f: int):
             stamps["g"] = g
             return jax.tree_util.tree_unflatten(tree, leaves)
 
-        if op == "dispatch":
-            x, t0 = stamp(x, a)
-            out = send_recv(x, xs, idx, w, mid)
-        else:
-            y, d, w = send_recv(x, xs, idx, w, None)
-            y, t0 = stamp(y, a)
-            c = comm.combine_send(y, d)
-            chandle = mid(c._handle)
-            out = comm.combine_recv(CombineHandle(c._expert_y, c._dispatched, chandle, c._comm_id), w)
+        t0, out = timed_op(x, xs, idx, w, mid, dep=a)
         out, t1 = stamp(out, stamps["g"])
         return jnp.stack([t0, stamps["g0"], stamps["g1"], t1])[None]
 

@@ -53,6 +53,12 @@ def check_arrivals(pr, k, rank, n, result, comm=COMM_ID):
             raise AssertionError(f"round {k}: the region from rank {s} of Communicator {comm} differs")
 
 
+def save(d, rank, result):
+    """DIR/result.RANK: what the test reads back."""
+    with open(os.path.join(d, f"result.{rank}"), "w") as f:
+        json.dump(result, f)
+
+
 def exchange(d, rank, n, mine):
     """Publishes this rank's JSON-able `mine` in DIR and returns every other rank's, in rank order."""
     with open(os.path.join(d, f"addr.{rank}.tmp"), "w") as f:
@@ -102,8 +108,7 @@ def main():
             result["rounds"] = k
     except RuntimeError as e:
         result["error"] = str(e)
-    with open(os.path.join(d, f"result.{rank}"), "w") as f:
-        json.dump(result, f)
+    save(d, rank, result)
     pr.close()
 
 
@@ -140,8 +145,7 @@ def shared(d, rank, n, provider, rounds):
             result["rounds"] = k
     except RuntimeError as e:
         result["error"] = str(e)
-    with open(os.path.join(d, f"result.{rank}"), "w") as f:
-        json.dump(result, f)
+    save(d, rank, result)
     prs[1].close()
     prs[0].close()
 
