@@ -3,8 +3,8 @@
     cfg = jax_moe.MoEConfig(num_experts, experts_per_token, hidden, max_tokens)
     comm = jax_moe.Communicator(cfg, mesh, axis_name="ep")
     # inside jax.shard_map over "ep":
-    d = comm.dispatch(x, topk_idx)                    # d.expert_x, d.expert_x_scale, d.expert_counts
-    out = comm.combine(expert_y, topk_weights, d)
+    d = comm.dispatch(x, topk_idx, topk_weights=topk_weights)  # d.expert_x, d.expert_x_scale, d.expert_counts
+    out = comm.combine(expert_y, d=d)                 # sums with the dispatched weights (or pass other weights)
 """
 from jax_moe.api import combine, combine_recv, combine_send, dispatch, dispatch_recv, dispatch_send
 from jax_moe.backends import BackendUnavailable

@@ -4,6 +4,10 @@ Gradients (bf16 dispatch): dispatch's backward is a combine with unit weights; c
 dispatch of the weighted output gradient (for expert_y) and a per-entry combine of expert_y dotted with the output
 gradient (for topk_weights). The custom_vjp sits on the recv halves; the send halves pass their differentiable input
 through the handle (stop_gradient on what they move), so the split halves are differentiable too.
+
+Router weights given to dispatch travel with the tokens, so that combine_send may weight and sum a token's rows on each
+expert rank (one row per (token, rank) comes back instead of one per (token, k)). The custom_vjp still takes those
+weights as its differentiable input (the user's array, through the handles), so their gradient is the same.
 """
 from __future__ import annotations
 
@@ -27,15 +31,21 @@ def _per_rank(comm: "Communicator", x: jax.Array) -> jax.Array:
 
 
 # --- dispatch ---------------------------------------------------------------------------------------------------------
-def dispatch_send(comm: "Communicator", x: jax.Array, topk_idx: jax.Array,
-                  x_scale: Optional[jax.Array] = None) -> DispatchHandle:
-    """Start the dispatch of x [T, hidden] to the experts in topk_idx [T, R] (int32, -1 = masked)."""
+def dispatch_send(comm: "Communicator", x: jax.Array, topk_idx: jax.Array, x_scale: Optional[jax.Array] = None,
+                  topk_weights: Optional[jax.Array] = None) -> DispatchHandle:
+    """Start the dispatch of x [T, hidden] to the experts in topk_idx [T, R] (int32, -1 = masked).
+
+    topk_weights [T, R] (floating, optional): the router weights, sent along so that combine can sum a token's rows
+    on each expert rank; combine then needs no weights."""
     validate.check_dispatch(comm, "dispatch_send", x, topk_idx, x_scale)
+    if topk_weights is not None:
+        validate.check_weights(comm, "dispatch_send", topk_weights, topk_idx)
     scale = None if x_scale is None else jax.lax.stop_gradient(x_scale)
+    weights = None if topk_weights is None else jax.lax.stop_gradient(topk_weights)
     rounds.check_open(comm, "dispatch", "dispatch_send")
-    handle = comm.backend.dispatch_send(jax.lax.stop_gradient(x), scale, topk_idx)
+    handle = comm.backend.dispatch_send(jax.lax.stop_gradient(x), scale, topk_idx, topk_weights=weights)
     rounds.opened(comm, "dispatch", handle, "dispatch_send")
-    return DispatchHandle(x, x_scale, topk_idx, handle, comm.id)
+    return DispatchHandle(x, x_scale, topk_idx, handle, comm.id, topk_weights)
 
 
 def dispatch_recv(comm: "Communicator", handle: DispatchHandle) -> Dispatched:
@@ -47,13 +57,13 @@ def dispatch_recv(comm: "Communicator", handle: DispatchHandle) -> Dispatched:
     rounds.closed(comm, "dispatch", handle._handle, "dispatch_recv")
     expert_x, expert_x_scale, counts, route = _dispatch_recv(comm, handle._x, handle._x_scale, handle._topk_idx,
                                                              handle._handle)
-    return Dispatched(expert_x, expert_x_scale, counts, handle._topk_idx, route, comm.id)
+    return Dispatched(expert_x, expert_x_scale, counts, handle._topk_idx, route, comm.id, handle._topk_weights)
 
 
-def dispatch(comm: "Communicator", x: jax.Array, topk_idx: jax.Array,
-             x_scale: Optional[jax.Array] = None) -> Dispatched:
-    """Send every token to its experts' ranks: see Dispatched for the layout."""
-    return dispatch_recv(comm, dispatch_send(comm, x, topk_idx, x_scale))
+def dispatch(comm: "Communicator", x: jax.Array, topk_idx: jax.Array, x_scale: Optional[jax.Array] = None,
+             topk_weights: Optional[jax.Array] = None) -> Dispatched:
+    """Send every token to its experts' ranks: see Dispatched for the layout (topk_weights: see dispatch_send)."""
+    return dispatch_recv(comm, dispatch_send(comm, x, topk_idx, x_scale, topk_weights))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -82,29 +92,48 @@ _dispatch_recv.defvjp(_dispatch_recv_fwd, _dispatch_recv_bwd)
 
 # --- combine ----------------------------------------------------------------------------------------------------------
 def combine_send(comm: "Communicator", expert_y: jax.Array, d: Dispatched) -> CombineHandle:
-    """Start returning expert outputs (layout of d.expert_x, combine_dtype) to the tokens' owners."""
+    """Start returning expert outputs (layout of d.expert_x, combine_dtype) to the tokens' owners. If dispatch was
+    given topk_weights, the expert ranks may sum a token's rows with them: combine_recv then uses those weights."""
+    return _combine_send(comm, expert_y, d, per_entry=False)
+
+
+def _combine_send(comm: "Communicator", expert_y: jax.Array, d: Dispatched, per_entry: bool) -> CombineHandle:
+    """per_entry: one row per (token, k) even if d carries weights (combine was given other weights)."""
     validate.check_expert_y(comm, "combine_send", expert_y, d)
+    reduced = d._topk_weights is not None and not per_entry
     rounds.check_open(comm, "combine", "combine_send")
-    handle = comm.backend.combine_send(jax.lax.stop_gradient(expert_y), d._route, d._topk_idx)
+    handle = comm.backend.combine_send(jax.lax.stop_gradient(expert_y), d._route, d._topk_idx, reduced=reduced)
     rounds.opened(comm, "combine", handle, "combine_send")
-    return CombineHandle(expert_y, d, handle, comm.id)
+    return CombineHandle(expert_y, d, handle, comm.id, reduced)
 
 
-def combine_recv(comm: "Communicator", handle: CombineHandle, topk_weights: jax.Array) -> jax.Array:
-    """Finish the combine: out[t] = sum_k w[t, k] * y[row of (t, k)] over unmasked k, float32 sum, combine_dtype."""
+def combine_recv(comm: "Communicator", handle: CombineHandle,
+                 topk_weights: Optional[jax.Array] = None) -> jax.Array:
+    """Finish the combine: out[t] = sum_k w[t, k] * y[row of (t, k)] over unmasked k, float32 sum, combine_dtype.
+
+    w: the topk_weights given to dispatch if it had any (then pass None here, or those same weights), else these."""
     validate.check_axis(comm, "combine_recv")
     if not isinstance(handle, CombineHandle):
         raise TypeError(f"jax_moe.combine_recv: expected the handle from combine_send, got {type(handle).__name__}")
     validate.check_comm(comm, "combine_recv", handle._comm_id, "handle")
-    rounds.closed(comm, "combine", handle._handle, "combine_recv")
     d = handle._dispatched
-    validate.check_weights(comm, "combine_recv", topk_weights, d._topk_idx)
-    return _combine_recv(comm, handle._expert_y, topk_weights, d._topk_idx, d._route, handle._handle)
+    validate.check_recv_weights("combine_recv", topk_weights, d, handle._reduced)
+    # d's weights when reduced: the user's array, so that gradients reach what was given to dispatch.
+    w = d._topk_weights if handle._reduced else topk_weights
+    validate.check_weights(comm, "combine_recv", w, d._topk_idx)
+    rounds.closed(comm, "combine", handle._handle, "combine_recv")
+    return _combine_recv(comm, handle._expert_y, w, d._topk_idx, d._route, handle._handle)
 
 
-def combine(comm: "Communicator", expert_y: jax.Array, topk_weights: jax.Array, d: Dispatched) -> jax.Array:
-    """Bring expert outputs back and sum them per token with topk_weights: [T, hidden] in combine_dtype."""
-    return combine_recv(comm, combine_send(comm, expert_y, d), topk_weights)
+def combine(comm: "Communicator", expert_y: jax.Array, topk_weights: Optional[jax.Array] = None,
+            d: Optional[Dispatched] = None) -> jax.Array:
+    """Bring expert outputs back and sum them per token: [T, hidden] in combine_dtype. The weights: those given to
+    dispatch (pass topk_weights=None), else topk_weights. Weights other than dispatch's are applied per (token, k)
+    at the owner: correct, without the expert ranks' partial sums."""
+    if d is None:
+        raise TypeError("jax_moe.combine: d (the Dispatched returned by dispatch) is required")
+    other = topk_weights is not None and topk_weights is not getattr(d, "_topk_weights", None)
+    return combine_recv(comm, _combine_send(comm, expert_y, d, per_entry=other), topk_weights)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))

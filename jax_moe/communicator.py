@@ -146,15 +146,17 @@ class Communicator:
                 f"backend={self.backend_name!r}, max_recv_rows={self.max_recv_rows})")
 
     # --- the API, as methods ---------------------------------------------------------------------------------------
-    def dispatch(self, x: jax.Array, topk_idx: jax.Array, x_scale: Optional[jax.Array] = None) -> Dispatched:
-        return api.dispatch(self, x, topk_idx, x_scale)
+    def dispatch(self, x: jax.Array, topk_idx: jax.Array, x_scale: Optional[jax.Array] = None,
+                 topk_weights: Optional[jax.Array] = None) -> Dispatched:
+        return api.dispatch(self, x, topk_idx, x_scale, topk_weights)
 
-    def combine(self, expert_y: jax.Array, topk_weights: jax.Array, d: Dispatched) -> jax.Array:
+    def combine(self, expert_y: jax.Array, topk_weights: Optional[jax.Array] = None,
+                d: Optional[Dispatched] = None) -> jax.Array:
         return api.combine(self, expert_y, topk_weights, d)
 
-    def dispatch_send(self, x: jax.Array, topk_idx: jax.Array,
-                      x_scale: Optional[jax.Array] = None) -> DispatchHandle:
-        return api.dispatch_send(self, x, topk_idx, x_scale)
+    def dispatch_send(self, x: jax.Array, topk_idx: jax.Array, x_scale: Optional[jax.Array] = None,
+                      topk_weights: Optional[jax.Array] = None) -> DispatchHandle:
+        return api.dispatch_send(self, x, topk_idx, x_scale, topk_weights)
 
     def dispatch_recv(self, handle: DispatchHandle) -> Dispatched:
         return api.dispatch_recv(self, handle)
@@ -162,5 +164,5 @@ class Communicator:
     def combine_send(self, expert_y: jax.Array, d: Dispatched) -> CombineHandle:
         return api.combine_send(self, expert_y, d)
 
-    def combine_recv(self, handle: CombineHandle, topk_weights: jax.Array) -> jax.Array:
+    def combine_recv(self, handle: CombineHandle, topk_weights: Optional[jax.Array] = None) -> jax.Array:
         return api.combine_recv(self, handle, topk_weights)

@@ -23,20 +23,24 @@ class Dispatched:
     """
 
     def __init__(self, expert_x: jax.Array, expert_x_scale: Optional[jax.Array], expert_counts: jax.Array,
-                 topk_idx: jax.Array, route: Any, comm_id: int):
+                 topk_idx: jax.Array, route: Any, comm_id: int, topk_weights: Optional[jax.Array] = None):
         self.expert_x = expert_x
         self.expert_x_scale = expert_x_scale
         self.expert_counts = expert_counts
         self._topk_idx = topk_idx  # the sender's routing, kept for combine and the gradients
         self._route = route        # backend-specific: where every row came from
         self._comm_id = comm_id
+        # The weights given to dispatch (None: none): combine uses them, and gradients flow back to them through here.
+        self._topk_weights = topk_weights
 
     def tree_flatten(self):
-        return (self.expert_x, self.expert_x_scale, self.expert_counts, self._topk_idx, self._route), self._comm_id
+        return ((self.expert_x, self.expert_x_scale, self.expert_counts, self._topk_idx, self._route,
+                 self._topk_weights), self._comm_id)
 
     @classmethod
     def tree_unflatten(cls, comm_id, children):
-        return cls(*children, comm_id)
+        *rest, topk_weights = children
+        return cls(*rest, comm_id, topk_weights)
 
     def __repr__(self) -> str:
         return (f"Dispatched(expert_x={_shape(self.expert_x)}, expert_x_scale={_shape(self.expert_x_scale)}, "
@@ -47,37 +51,45 @@ class Dispatched:
 class DispatchHandle:
     """What dispatch_send returns and dispatch_recv consumes (the data dependency orders the halves)."""
 
-    def __init__(self, x: jax.Array, x_scale: Optional[jax.Array], topk_idx: jax.Array, handle: Any, comm_id: int):
+    def __init__(self, x: jax.Array, x_scale: Optional[jax.Array], topk_idx: jax.Array, handle: Any, comm_id: int,
+                 topk_weights: Optional[jax.Array] = None):
         self._x = x                # the input itself, so that gradients flow from dispatch_recv to x
         self._x_scale = x_scale
         self._topk_idx = topk_idx
         self._handle = handle      # the backend's dispatch_send handle
         self._comm_id = comm_id
+        self._topk_weights = topk_weights  # the weights given to dispatch_send (the user's array), or None
 
     def tree_flatten(self):
-        return (self._x, self._x_scale, self._topk_idx, self._handle), self._comm_id
+        return (self._x, self._x_scale, self._topk_idx, self._handle, self._topk_weights), self._comm_id
 
     @classmethod
     def tree_unflatten(cls, comm_id, children):
-        return cls(*children, comm_id)
+        *rest, topk_weights = children
+        return cls(*rest, comm_id, topk_weights)
 
 
 @register_pytree_node_class
 class CombineHandle:
-    """What combine_send returns and combine_recv consumes."""
+    """What combine_send returns and combine_recv consumes.
 
-    def __init__(self, expert_y: jax.Array, dispatched: Dispatched, handle: Any, comm_id: int):
+    reduced: the backend was told it may weight and sum a token's rows at the expert ranks, with the weights that
+    travelled with dispatch (dispatched._topk_weights); combine_recv then takes no other weights.
+    """
+
+    def __init__(self, expert_y: jax.Array, dispatched: Dispatched, handle: Any, comm_id: int, reduced: bool):
         self._expert_y = expert_y
         self._dispatched = dispatched
         self._handle = handle      # the backend's combine_send handle
         self._comm_id = comm_id
+        self._reduced = reduced
 
     def tree_flatten(self):
-        return (self._expert_y, self._dispatched, self._handle), self._comm_id
+        return (self._expert_y, self._dispatched, self._handle), (self._comm_id, self._reduced)
 
     @classmethod
-    def tree_unflatten(cls, comm_id, children):
-        return cls(*children, comm_id)
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
 
 
 def _shape(a: Any) -> str:

@@ -88,6 +88,18 @@ def check_weights(comm: "Communicator", op: str, topk_weights: Any, topk_idx: ja
     check_array(op, "topk_weights", topk_weights, tuple(topk_idx.shape), kind="float")
 
 
+def check_recv_weights(op: str, topk_weights: Any, d: Dispatched, reduced: bool) -> None:
+    """combine_recv's weights against what its combine_send promised the backend."""
+    if reduced and topk_weights is not None and topk_weights is not d._topk_weights:
+        raise ValueError(
+            f"jax_moe.{op}: this round's rows were summed at the experts with the weights given to dispatch_send, so "
+            f"other topk_weights cannot apply; pass topk_weights=None (or those same weights), or dispatch without "
+            f"topk_weights")
+    if not reduced and topk_weights is None:
+        raise TypeError(f"jax_moe.{op}: topk_weights is needed, since dispatch was given none (pass them to "
+                         f"combine, or to dispatch)")
+
+
 def check_comm(comm: "Communicator", op: str, comm_id: int, what: str) -> None:
     if comm_id != comm.id:
         raise ValueError(f"jax_moe.{op}: this {what} was made by another Communicator")

@@ -125,8 +125,28 @@ def test_halves_trace_to_the_cuda_handlers(fake, monkeypatch, fp8):
                                             ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")]
     assert all(c["comm_id"] == comm.id for c in calls)
     assert calls[0]["has_scale"] == fp8 and calls[1]["has_scale"] == fp8
-    assert calls[1]["shapes"] == [(m, 128), (m, 1) if fp8 else (1, 1), (comm.num_local_experts,), (m + 2 + comm.cfg.num_experts,)]
+    route = m + 2 + comm.cfg.num_experts + 2 * n * t * 2  # + the (sender, entry) row table and its weights
+    assert calls[1]["shapes"] == [(m, 128), (m, 1) if fp8 else (1, 1), (comm.num_local_experts,), (route,)]
     assert calls[2]["channel"] == 0 and calls[3]["channel"] == 0 and calls[3]["shapes"] == [(t, 128)]
+    assert not calls[0]["has_weights"] and calls[2]["mode"] == 0 and calls[3]["mode"] == 0  # weights at combine
+
+
+def test_weights_at_dispatch_trace_the_summed_combine(fake):
+    """Weights given to dispatch travel with the tokens: combine_send sums a token's rows at the expert rank (mode 1)
+    and the transpose of dispatch always does, with unit weights (mode 2, channel 1)."""
+    comm = cuda_comm(2)
+
+    def loss(x, idx, w):
+        d = comm.dispatch(x, idx, topk_weights=w)
+        return jax.lax.psum(jnp.sum(comm.combine(d.expert_x, None, d).astype(jnp.float32)), "ep")
+
+    f = jax.grad(jax.shard_map(loss, mesh=comm.mesh, in_specs=(P("ep"),) * 3, out_specs=P()), argnums=(0, 2))
+    args = specs(comm, ((8, 128), jnp.bfloat16), ((8, 2), jnp.int32), ((8, 2), jnp.float32))
+    calls = ffi_calls(jax.make_jaxpr(f)(*args).jaxpr)
+    sends = [c for c in calls if c["target"].startswith("jax_moe_cuda_dispatch_send")]
+    combines = [(c["channel"], c["mode"]) for c in calls if c["target"].startswith("jax_moe_cuda_combine")]
+    assert sends and all(c["has_weights"] for c in sends)
+    assert (0, 1) in combines and (1, 2) in combines and (0, 0) not in combines, combines
 
 
 def test_gradients_trace_dispatch_backward_on_channel_1(fake):

@@ -161,6 +161,50 @@ def test_bad_combine_input(comm):
         combine_with(m, jnp.bfloat16, (T, R), jnp.int32)
 
 
+def w_of(t=T, r=R, dtype=np.float32):
+    return np.ones((N * t, r), dtype)
+
+
+@pytest.mark.parametrize("w, match, err", [
+    (w_of(r=3), "dispatch_send: topk_weights has shape \\[4, 3\\], expected \\[4, 2\\]", ValueError),
+    (w_of(t=T - 1), "dispatch_send: topk_weights has shape \\[3, 2\\], expected \\[4, 2\\]", ValueError),
+    (np.ones((N * T,), np.float32), "dispatch_send: topk_weights has shape \\[4\\], expected \\[4, 2\\]", ValueError),
+    (w_of(dtype=np.int32), "dispatch_send: topk_weights has dtype int32, expected a floating dtype", TypeError),
+])
+def test_bad_dispatch_weights(comm, w, match, err):
+    """Weights given to dispatch are checked like combine's."""
+    with pytest.raises(err, match=match):
+        run(comm, lambda x, idx, w: comm.dispatch(x, idx, topk_weights=w).expert_x, x_of(), idx_of(), w)
+
+
+def test_recv_weights_must_match_dispatch(comm):
+    """After a combine_send of a dispatch with weights, combine_recv takes no other weights; without weights at
+    dispatch it needs them."""
+    m = comm.max_recv_rows
+
+    def other_at_recv(x, idx, w):
+        d = comm.dispatch(x, idx, topk_weights=w)
+        return comm.combine_recv(comm.combine_send(jnp.zeros((m, H), jnp.bfloat16), d), w * 2)
+
+    with pytest.raises(ValueError, match="combine_recv: this round's rows were summed at the experts with the weights "
+                                         "given to dispatch_send.*pass topk_weights=None.*or dispatch without"):
+        run(comm, other_at_recv, x_of(), idx_of(), w_of())
+
+    def none_at_recv(x, idx, w):
+        d = comm.dispatch(x, idx)
+        return comm.combine_recv(comm.combine_send(jnp.zeros((m, H), jnp.bfloat16), d))
+
+    def none_at_combine(x, idx, w):
+        return comm.combine(jnp.zeros((m, H), jnp.bfloat16), None, comm.dispatch(x, idx))
+
+    for body in (none_at_recv, none_at_combine):
+        with pytest.raises(TypeError, match="topk_weights is needed, since dispatch was given none"):
+            run(comm, body, x_of(), idx_of(), w_of())
+
+    with pytest.raises(TypeError, match="combine: d \\(the Dispatched returned by dispatch\\) is required"):
+        run(comm, lambda x, idx, w: comm.combine(jnp.zeros((m, H), jnp.bfloat16), w), x_of(), idx_of(), w_of())
+
+
 def test_handles_are_checked(comm):
     other = jax_moe.Communicator(comm.cfg, comm.mesh, "ep", backend="xla")
 

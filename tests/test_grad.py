@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_moe
 from support.grads import check_grads, grad_problem, moe_loss_fn
-from support.helpers import BACKENDS, backend_mesh, mesh_of, random_routing
+from support.helpers import BACKENDS, backend_mesh, mesh_of, random_routing, ranks_for
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -23,6 +23,23 @@ def test_gradients_match_dense_reference(rng, backend, n, split_halves):
     sh = NamedSharding(comm.mesh, P("ep"))
     got = moe_loss_fn(comm, split_halves)(*[jax.device_put(v, sh) for v in problem])
     check_grads(got, problem, e)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("split_halves", [False, True], ids=["one-shot", "halves"])
+def test_gradients_with_weights_at_dispatch(rng, backend, split_halves):
+    """Weights given to dispatch get the gradient weights given to combine get (and x and the experts theirs)."""
+    n, e, r, hidden, t = ranks_for(backend, 4), 8, 3, 64, 6
+    comm = jax_moe.Communicator(jax_moe.MoEConfig(e, r, hidden, t), backend_mesh(backend, n), "ep", backend=backend)
+    problem = grad_problem(rng, n, t, r, e, hidden)
+    sh = NamedSharding(comm.mesh, P("ep"))
+    args = [jax.device_put(v, sh) for v in problem]
+    got = moe_loss_fn(comm, split_halves, weights_at_dispatch=True)(*args)
+    check_grads(got, problem, e)
+    want = moe_loss_fn(comm, split_halves)(*args)
+    for name, gv, wv in zip(("x", "topk_weights", "a", "b"), got, want):
+        gv, wv = np.asarray(gv, np.float32), np.asarray(wv, np.float32)
+        np.testing.assert_allclose(gv, wv, rtol=1e-2, atol=1e-2 * (np.abs(wv).max() + 1e-6), err_msg=name)
 
 
 def test_fp8_dispatch_is_not_differentiable(rng):

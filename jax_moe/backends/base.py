@@ -31,16 +31,22 @@ class Backend(abc.ABC):
 
     # --- the four halves ------------------------------------------------------------------------------------------
     @abc.abstractmethod
-    def dispatch_send(self, x: jax.Array, x_scale: Optional[jax.Array], topk_idx: jax.Array) -> Any:
-        """Start moving token rows to the experts' ranks; returns the handle dispatch_recv consumes."""
+    def dispatch_send(self, x: jax.Array, x_scale: Optional[jax.Array], topk_idx: jax.Array,
+                      topk_weights: Optional[jax.Array] = None) -> Any:
+        """Start moving token rows to the experts' ranks; returns the handle dispatch_recv consumes. topk_weights
+        [T, R] (or None): the router weights, for a backend that moves them with the rows (see combine_send)."""
 
     @abc.abstractmethod
     def dispatch_recv(self, handle: Any) -> tuple[jax.Array, Optional[jax.Array], jax.Array, Any]:
         """Finish the dispatch: (expert_x, expert_x_scale or None, expert_counts, route for combine)."""
 
     @abc.abstractmethod
-    def combine_send(self, expert_y: jax.Array, route: Any, topk_idx: jax.Array) -> Any:
-        """Start moving expert output rows back to the tokens' owners; returns the handle combine_recv consumes."""
+    def combine_send(self, expert_y: jax.Array, route: Any, topk_idx: jax.Array, reduced: bool = False) -> Any:
+        """Start moving expert output rows back to the tokens' owners; returns the handle combine_recv consumes.
+
+        reduced: the weights combine_recv will get are the ones this round's dispatch_send got, so the backend may
+        weight and sum a token's rows at the expert rank (one row per (token, rank) instead of per (token, k)).
+        False: the weights are known only to combine_recv."""
 
     @abc.abstractmethod
     def combine_recv(self, handle: Any, topk_weights: jax.Array, topk_idx: jax.Array) -> jax.Array:
@@ -52,7 +58,7 @@ class Backend(abc.ABC):
         combine_dtype). A combine with unit weights; backends whose forward and backward combines must not share
         state (XLA may interleave them) override this."""
         ones = jnp.ones(topk_idx.shape, jnp.float32)
-        return self.combine_recv(self.combine_send(g_expert_x, route, topk_idx), ones, topk_idx)
+        return self.combine_recv(self.combine_send(g_expert_x, route, topk_idx, reduced=False), ones, topk_idx)
 
     @abc.abstractmethod
     def dispatch_entries(self, rows: jax.Array, route: Any, topk_idx: jax.Array) -> jax.Array:

@@ -79,7 +79,8 @@ class CpuBackend(NativeBackend):
         return self._call("combine_recv", jax.ShapeDtypeStruct((rows, self.cfg.hidden), self.cfg.combine_dtype),
                           ticket, topk_weights.astype(jnp.float32), position, reduce=reduce)
 
-    def dispatch_send(self, x, x_scale, topk_idx):
+    # topk_weights and reduced are accepted and ignored: src/cpu moves one row per (token, k) and sums at the owner.
+    def dispatch_send(self, x, x_scale, topk_idx, topk_weights=None):
         return self._send(x, x_scale, topk_idx, per_entry=False)
 
     def dispatch_recv(self, handle):
@@ -93,7 +94,7 @@ class CpuBackend(NativeBackend):
              jax.ShapeDtypeStruct((m,), jnp.int32)), ticket)
         return expert_x, (expert_x_scale if cfg.is_fp8 else None), counts, (position, dest)
 
-    def combine_send(self, expert_y, route, topk_idx):
+    def combine_send(self, expert_y, route, topk_idx, reduced: bool = False):
         position, dest = route
         ticket = self._call("combine_send", jax.ShapeDtypeStruct((2,), jnp.int32), expert_y, dest)
         return ticket, position

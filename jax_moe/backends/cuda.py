@@ -30,6 +30,9 @@ from jax_moe.backends.native import NativeBackend
 from jax_moe.contract import valid_entries
 
 _PEER_SELF, _PEER_LOCAL, _PEER_IPC, _PEER_REMOTE = 0, 1, 2, 3  # peer kinds of _core.cuda.connect
+# How combine_send returns rows (kernels/moe_layout.h CombineMode): one per (t, k) entry; or per (token, rank), summed
+# at the expert rank with the weights dispatch carried, or with unit weights (dispatch's transpose).
+_PER_ENTRY, _WEIGHTED, _UNIT = 0, 1, 2
 
 
 def command_buffers() -> bool:
@@ -61,20 +64,24 @@ class CudaDispatchHandle(NamedTuple):
     ticket: jax.Array  # int32 [4], written by the send kernel; orders dispatch_recv after it
     x: jax.Array  # the send's inputs: dispatch_recv reads this rank's own tokens from them (they are not copied)
     x_scale: jax.Array
+    topk_weights: Optional[jax.Array]  # float32 [T, R] when given to dispatch_send (they travel with the tokens)
 
 
 class CudaRoute(NamedTuple):
-    # int32 [M + 2 + E]: source rank * max_tokens * R + t * R + k of every expert_x row (t * R + k: the token's slot in
-    # the sender's region for a remote sender); [M] = rows; then the row offsets of the (expert, sender) blocks
+    # int32 [M + 2 + E + 2 * N * max_tokens * R]: source rank * max_tokens * R + t * R + k of every expert_x row
+    # (t * R + k: the token's slot in the sender's region for a remote sender); [M] = rows; then the row offsets of the
+    # (expert, sender) blocks; then per (sender, t, k) its row here (-1: none) and its router weight (float32 bits)
     origin: jax.Array
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["ticket", "expert_y"], meta_fields=["channel"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["ticket", "expert_y"],
+                   meta_fields=["channel", "mode"])
 @dataclasses.dataclass(frozen=True)
 class CudaCombineHandle:
     ticket: jax.Array
     expert_y: jax.Array  # combine_send's input: combine_recv reads this rank's own rows from it
     channel: int  # static (pytree metadata): 0 forward, 1 inside dispatch's gradient (see dispatch_transpose)
+    mode: int = _PER_ENTRY  # static: how combine_send returned the rows (_PER_ENTRY, _WEIGHTED, _UNIT)
 
 
 class CudaBackend(NativeBackend):
@@ -211,35 +218,46 @@ class CudaBackend(NativeBackend):
         return [e for d in self._local() for e in [self._mod.take_error(self.native_id, d.local_id)] if e]
 
     # --- the four halves ------------------------------------------------------------------------------------------
-    def dispatch_send(self, x, x_scale, topk_idx) -> CudaDispatchHandle:
+    def dispatch_send(self, x, x_scale, topk_idx, topk_weights=None) -> CudaDispatchHandle:
         scale = x_scale if x_scale is not None else jnp.zeros((1, 1), jnp.float32)
+        w = topk_weights.astype(jnp.float32) if topk_weights is not None else None
         ticket = self._call("dispatch_send", jax.ShapeDtypeStruct((4,), jnp.int32), x, scale,
-                            topk_idx.astype(jnp.int32), has_scale=x_scale is not None)
-        return CudaDispatchHandle(ticket, x, scale)
+                            w if w is not None else jnp.zeros((1, 1), jnp.float32), topk_idx.astype(jnp.int32),
+                            has_scale=x_scale is not None, has_weights=w is not None)
+        return CudaDispatchHandle(ticket, x, scale, w)
 
     def dispatch_recv(self, handle: CudaDispatchHandle):
         cfg, m = self.cfg, self.comm.max_recv_rows
         fp8 = cfg.num_scales > 0
+        table = self.comm.num_ranks * cfg.max_tokens * cfg.experts_per_token
         results = (jax.ShapeDtypeStruct((m, cfg.hidden), cfg.dispatch_dtype),
                    jax.ShapeDtypeStruct((m, cfg.num_scales) if fp8 else (1, 1), jnp.float32),
                    jax.ShapeDtypeStruct((self.comm.num_local_experts,), jnp.int32),
-                   jax.ShapeDtypeStruct((m + 2 + cfg.num_experts,), jnp.int32))
+                   jax.ShapeDtypeStruct((m + 2 + cfg.num_experts + 2 * table,), jnp.int32))
+        w = handle.topk_weights
         x, scale, counts, origin = self._call("dispatch_recv", results, handle.ticket, handle.x, handle.x_scale,
-                                              has_scale=fp8)
+                                              w if w is not None else jnp.zeros((1, 1), jnp.float32),
+                                              has_scale=fp8, has_weights=w is not None)
         return x, (scale if fp8 else None), counts, CudaRoute(origin)
 
-    def combine_send(self, expert_y, route, topk_idx, channel: int = 0) -> CudaCombineHandle:
+    def combine_send(self, expert_y, route, topk_idx, reduced: bool = False, channel: int = 0,
+                     mode: Optional[int] = None) -> CudaCombineHandle:
+        """reduced: the weights of combine_recv are those dispatch_send carried, so the rows of a token held here
+        go back as one weighted float32 sum per (token, rank) (bf16), not one row per (t, k)."""
         if not isinstance(route, CudaRoute):
             raise TypeError("backend 'cuda': combine_send needs the Dispatched of this backend's dispatch")
+        if mode is None:
+            mode = _WEIGHTED if reduced else _PER_ENTRY
         expert_y = expert_y.astype(self.cfg.combine_dtype)
         ticket = self._call("combine_send", jax.ShapeDtypeStruct((4,), jnp.int32), expert_y, route.origin,
-                            channel=np.int64(channel))
-        return CudaCombineHandle(ticket, expert_y, channel)
+                            channel=np.int64(channel), mode=np.int64(mode))
+        return CudaCombineHandle(ticket, expert_y, channel, mode)
 
     def combine_recv(self, handle: CudaCombineHandle, topk_weights, topk_idx):
         out = jax.ShapeDtypeStruct((topk_idx.shape[0], self.cfg.hidden), self.cfg.combine_dtype)
         return self._call("combine_recv", out, handle.ticket, topk_weights.astype(jnp.float32),
-                          topk_idx.astype(jnp.int32), handle.expert_y, channel=np.int64(handle.channel))
+                          topk_idx.astype(jnp.int32), handle.expert_y, channel=np.int64(handle.channel),
+                          mode=np.int64(handle.mode))
 
     def dispatch_transpose(self, g_expert_x, route, topk_idx):
         # Channel 1: its own area, flags and epochs. XLA may run the forward combine_recv (whose output only feeds
@@ -249,7 +267,9 @@ class CudaBackend(NativeBackend):
             w = jnp.where(valid_entries(topk_idx, self.cfg.num_experts), ones, 0.0)
             y = self.reference.combine_entries(g_expert_x, None, topk_idx).astype(jnp.float32)
             return jnp.einsum("trh,tr->th", y, w, precision=jax.lax.Precision.HIGHEST).astype(self.cfg.combine_dtype)
-        return self.combine_recv(self.combine_send(g_expert_x, route, topk_idx, channel=1), ones, topk_idx)
+        # Unit weights need nothing from dispatch: a token's rows are summed at the expert rank (one row per rank).
+        return self.combine_recv(self.combine_send(g_expert_x, route, topk_idx, channel=1, mode=_UNIT), ones,
+                                 topk_idx)
 
     # --- diagnostics ----------------------------------------------------------------------------------------------
     def read_trace(self) -> dict[int, np.ndarray]:

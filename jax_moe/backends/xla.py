@@ -108,7 +108,8 @@ class XlaBackend(Backend):
         return jnp.take(handle.ret, handle.position, axis=0, mode="fill", fill_value=0)
 
     # --- the four halves ------------------------------------------------------------------------------------------
-    def dispatch_send(self, x, x_scale, topk_idx) -> XlaDispatchHandle:
+    # topk_weights and reduced are accepted and ignored: this backend always moves one row per (token, k).
+    def dispatch_send(self, x, x_scale, topk_idx, topk_weights=None) -> XlaDispatchHandle:
         position, send_counts = self._send_plan(topk_idx)
         rows = jnp.repeat(payload.pack_rows(x, x_scale), topk_idx.shape[1], axis=0)  # row f = token f // R
         recv = self._scatter_send(rows, position)
@@ -121,7 +122,7 @@ class XlaBackend(Backend):
         x, scale = payload.unpack_rows(placed, self.cfg.dispatch_dtype, self.cfg.hidden, self.cfg.num_scales)
         return x, scale, handle.recv_counts.sum(axis=0), XlaRoute(handle.position, dest)
 
-    def combine_send(self, expert_y, route: XlaRoute, topk_idx) -> XlaCombineHandle:
+    def combine_send(self, expert_y, route: XlaRoute, topk_idx, reduced: bool = False) -> XlaCombineHandle:
         bits = jax.lax.bitcast_convert_type(expert_y, jnp.uint16)
         return XlaCombineHandle(self._a2a(jnp.take(bits, route.dest, axis=0, mode="fill", fill_value=0)),
                                 route.position)

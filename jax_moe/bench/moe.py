@@ -43,7 +43,9 @@ PHASES = ("dispatch_send", "dispatch_recv", "dispatch", "combine_send", "combine
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m jax_moe.bench moe", description=__doc__.split("\n")[0])
-    p.add_argument("--backend", default=None, help="comma list of cuda, cpu, xla, xla-ragged (default: by platform)")
+    p.add_argument("--backend", default=None,
+                   help="comma list of cuda, cpu, xla, xla-ragged (default: by platform); cuda-entry / cpu-entry: the "
+                        "same backend with the weights given to combine instead of dispatch (rows per (t, k))")
     p.add_argument("--shape", default=None, help="comma list of small, decode, prefill, sweep (default: by platform)")
     p.add_argument("--ranks", type=int, default=None, help="EP ranks (default: every device of the platform)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default 1000 on GPU, 20 on CPU)")
@@ -192,21 +194,25 @@ def _stamp_tree(tree, stamp):
     return jax.tree_util.tree_unflatten(tdef, leaves), t
 
 
-def _api_iteration(comm, stamp, x, xs, idx, w, dep, split=True):
+def _api_iteration(comm, stamp, x, xs, idx, w, dep, split=True, weights_at_dispatch=True):
     """One dispatch + combine through the jax_moe API with 6 stamps: [start, send, recv, (expert), send, recv].
+
+    weights_at_dispatch: the router weights go with dispatch (the expert ranks may sum a token's rows), else to
+    combine (rows per (t, k)).
 
     split=False leaves out the stamps between the halves (their slots repeat the one before): then the totals are
     what a caller sees from the one-shot calls, without the cost of an extra custom call in the middle."""
     x, t0 = stamp(x, dep)
-    h = comm.dispatch_send(x, idx, x_scale=xs)
+    h = comm.dispatch_send(x, idx, x_scale=xs, topk_weights=w if weights_at_dispatch else None)
     handle, t1 = _stamp_tree(h._handle, stamp) if split else (h._handle, t0)
-    d = comm.dispatch_recv(DispatchHandle(h._x, h._x_scale, h._topk_idx, handle, h._comm_id))
+    d = comm.dispatch_recv(DispatchHandle(h._x, h._x_scale, h._topk_idx, handle, h._comm_id, h._topk_weights))
     ex, t2 = stamp(d.expert_x, d.expert_counts)
     y = ex.astype(comm.cfg.combine_dtype)  # the experts' stand-in: fp8 -> bf16, not timed
     y, t3 = stamp(y, y)
     c = comm.combine_send(y, d)
     chandle, t4 = _stamp_tree(c._handle, stamp) if split else (c._handle, t3)
-    out = comm.combine_recv(CombineHandle(c._expert_y, c._dispatched, chandle, c._comm_id), w)
+    out = comm.combine_recv(CombineHandle(c._expert_y, c._dispatched, chandle, c._comm_id, c._reduced),
+                            None if weights_at_dispatch else w)
     out, t5 = stamp(out, out)
     return out, jnp.concatenate([t0, t1, t2, t3, t4, t5])
 
@@ -282,7 +288,8 @@ def _gpu_run(kind, comm_or_none, mesh, n, l, inputs, iters, unroll, warmup, spli
             if kind == "xla-ragged":
                 out, s = _ragged_iteration(n, l, axis, timestamp, x, xs, idx, w, dep)
             else:
-                out, s = _api_iteration(comm_or_none, timestamp, x, xs, idx, w, dep, split)
+                out, s = _api_iteration(comm_or_none, timestamp, x, xs, idx, w, dep, split,
+                                        weights_at_dispatch=not kind.endswith("-entry"))
             stamps.append(s)
         return jnp.stack(stamps)[None]
 
@@ -308,7 +315,7 @@ def _gpu_run(kind, comm_or_none, mesh, n, l, inputs, iters, unroll, warmup, spli
     return out
 
 
-def _cpu_run(comm, mesh, inputs, iters, warmup):
+def _cpu_run(comm, mesh, inputs, iters, warmup, weights_at_dispatch=True):
     """Host-clock stamps between the halves (the same chain as on GPU, one iteration per program)."""
     timestamp = cpu_backend.timestamp
     axis = mesh.axis_names[0]
@@ -321,7 +328,7 @@ def _cpu_run(comm, mesh, inputs, iters, warmup):
             words.append(t)
             return a, jnp.zeros((1,), jnp.float32)
 
-        out, _ = _api_iteration(comm, stamp32, x, xs, idx, w, x)
+        out, _ = _api_iteration(comm, stamp32, x, xs, idx, w, x, weights_at_dispatch=weights_at_dispatch)
         return out, jnp.stack(words)[None]
 
     f, args = program(body, mesh, inputs, out_specs=(P(axis), P(axis)))
@@ -472,7 +479,11 @@ def main(argv) -> int:
         disp_bytes = remote_rows * (hidden * (1 if fp8 else 2) + cfg.num_scales * 4)
         token_bytes = _remote_tokens(inputs[2], n, t, l) * (hidden * (1 if fp8 else 2) + cfg.num_scales * 4)
         comb_bytes = remote_rows * hidden * 2
+        # cuda with the weights at dispatch sums a token's rows per rank: one row per (token, other rank) comes back
+        comb_summed = _remote_tokens(inputs[2], n, t, l) * hidden * 2
         for backend in backends:
+            native = backend.removesuffix("-entry")  # "-entry": weights given to combine, rows per (t, k)
+            summed = native == "cuda" and not backend.endswith("-entry")
             if backend in skipped:
                 continue
             comm = None
@@ -488,9 +499,9 @@ def main(argv) -> int:
                         continue
                 else:
                     options = {}
-                    if backend == "cuda":
+                    if native == "cuda":
                         options = {"ranks_per_node": args.ranks_per_node, "fabric_provider": args.provider}
-                    comm = jax_moe.Communicator(cfg, mesh, "ep", backend=backend, **options)
+                    comm = jax_moe.Communicator(cfg, mesh, "ep", backend=native, **options)
             except (jax_moe.BackendUnavailable, ValueError) as err:
                 print(f"[moe] skip backend {backend}: {err}")
                 skipped.add(backend)
@@ -509,7 +520,8 @@ def main(argv) -> int:
                             samples[f"{k}_split"] = samples[k]
                             samples[k] = whole[k]
                 else:
-                    samples = _cpu_run(comm, mesh, inputs, its, args.warmup)
+                    samples = _cpu_run(comm, mesh, inputs, its, args.warmup,
+                                       weights_at_dispatch=not backend.endswith("-entry"))
             except Exception as err:  # noqa: BLE001 - report and go on with the other backends
                 print(f"[moe] {backend} {shape} T={t} failed: {type(err).__name__}: {str(err)[:400]}")
                 continue
@@ -517,9 +529,11 @@ def main(argv) -> int:
             rec = {"shape": shape, "tokens": t, "hidden": hidden, "experts": e, "topk": r, "fp8": fp8,
                    "ranks": n, "backend": backend, "stats": stats, "remote_dispatch_bytes": disp_bytes,
                    "remote_combine_bytes": comb_bytes, "seconds": time.perf_counter() - started}
-            if comm is not None and backend == "cuda":
+            if summed:
+                rec["remote_combine_bytes_sent"] = comb_summed
+            if comm is not None and native == "cuda":
                 rec["buffer_bytes_per_device"] = cuda_backend.buffer_bytes(comm.cfg, comm.num_ranks)
-            if backend == "cuda":  # moves each token once per rank: the bytes on NVLink
+            if native == "cuda":  # moves each token once per rank: the bytes on NVLink
                 rec["remote_dispatch_bytes_sent"] = token_bytes
                 trace = _trace_summary(comm)
                 if trace:
@@ -529,8 +543,9 @@ def main(argv) -> int:
                     rec["fabric"] = {str(k): v for k, v in fabric.items()}
                     rec["fabric_breakdown"] = _fabric_breakdown(comm, 4096)
                     print(f"[moe] fabric {rec['fabric']} breakdown {rec['fabric_breakdown']}", flush=True)
-            sent = token_bytes if backend == "cuda" else disp_bytes
-            for phase, nbytes in (("dispatch_send", sent), ("combine_send", comb_bytes)):
+            sent = token_bytes if native == "cuda" else disp_bytes
+            comb_sent = comb_summed if summed else comb_bytes
+            for phase, nbytes in (("dispatch_send", sent), ("combine_send", comb_sent)):
                 p50 = stats[phase]["p50"]
                 if p50:
                     rec[f"{phase}_GBps"] = nbytes / (p50 * 1e-6) / 1e9
@@ -538,6 +553,7 @@ def main(argv) -> int:
                 rec["floor_dispatch_us"] = disp_bytes / (bw["peer_GBps"] * 1e9) * 1e6
                 rec["floor_combine_us"] = comb_bytes / (bw["peer_GBps"] * 1e9) * 1e6
                 rec["floor_dispatch_sent_us"] = sent / (bw["peer_GBps"] * 1e9) * 1e6
+                rec["floor_combine_sent_us"] = comb_sent / (bw["peer_GBps"] * 1e9) * 1e6
             results.append(rec)
             if leader:
                 _write(args.out, meta, results)  # as we go: a run cut short still leaves its numbers

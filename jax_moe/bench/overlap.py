@@ -77,14 +77,16 @@ def _programs(comm, op: str, stamp, gemm_f: int):
         handle it was given, tied to whatever it did. Combine's input is a dispatch before the stamp, not timed."""
         if op == "dispatch":
             x, t0 = stamp(x, x if dep is None else dep)
-            h = comm.dispatch_send(x, idx, x_scale=xs)
-            d = comm.dispatch_recv(DispatchHandle(h._x, h._x_scale, h._topk_idx, mid(h._handle), h._comm_id))
+            h = comm.dispatch_send(x, idx, x_scale=xs, topk_weights=w)
+            d = comm.dispatch_recv(DispatchHandle(h._x, h._x_scale, h._topk_idx, mid(h._handle), h._comm_id,
+                                                  h._topk_weights))
             return t0, d.expert_x
-        d = comm.dispatch(x, idx, x_scale=xs)
+        d = comm.dispatch(x, idx, x_scale=xs, topk_weights=w)  # weights at dispatch: the expert ranks may sum
         y = d.expert_x.astype(comm.cfg.combine_dtype)
         y, t0 = stamp(y, y if dep is None else dep)
         c = comm.combine_send(y, d)
-        return t0, comm.combine_recv(CombineHandle(c._expert_y, c._dispatched, mid(c._handle), c._comm_id), w)
+        return t0, comm.combine_recv(CombineHandle(c._expert_y, c._dispatched, mid(c._handle), c._comm_id,
+                                                   c._reduced))
 
     def comm_body(x, xs, idx, w):
         t0, out = timed_op(x, xs, idx, w, lambda h: h)

@@ -1,8 +1,9 @@
 """MoE: a Flax NNX expert-parallel Mixture-of-Experts FFN on top of jax_moe dispatch/combine.
 
 Per call, inside one jax.shard_map over the EP axis (tokens sharded over it, one slice of experts per rank):
-router (float32) -> top-k -> softmax over the selected logits -> dispatch_send -> [shared expert] -> dispatch_recv ->
-grouped GEMMs with jax.lax.ragged_dot on the dispatched rows -> combine. The shared expert sits between the two
+router (float32) -> top-k -> softmax over the selected logits -> dispatch_send (rows and weights) -> [shared expert] ->
+dispatch_recv -> grouped GEMMs with jax.lax.ragged_dot on the dispatched rows -> combine (with the dispatched weights,
+so the expert ranks may sum a token's rows before sending them back). The shared expert sits between the two
 dispatch halves so that the later backends overlap it with the transfer.
 """
 from __future__ import annotations
@@ -244,14 +245,15 @@ class MoE(nnx.Module):
             top_logits, topk_idx = jax.lax.top_k(logits, r)
             weights = jax.nn.softmax(top_logits, axis=-1)                      # float32 [T, R]
             aux = load_balancing_loss(jax.nn.softmax(logits, axis=-1), topk_idx, axis)
-            handle = jax_moe.dispatch_send(comm, xt.astype(jnp.bfloat16), topk_idx.astype(jnp.int32))
+            handle = jax_moe.dispatch_send(comm, xt.astype(jnp.bfloat16), topk_idx.astype(jnp.int32),
+                                           topk_weights=weights)
             y_shared = None
             if "shared_w_in" in p:  # independent of the transfer: the later backends overlap it
                 y_shared = dense_ffn(xt.astype(out_dtype), p["shared_w_in"], p["shared_w_out"], p.get("shared_w_up"))
             d = jax_moe.dispatch_recv(comm, handle)
             expert_y = expert_ffn(d.expert_x.astype(p["w_in"].dtype), d.expert_counts, p["w_in"], p["w_out"],
                                   p.get("w_up"))
-            y = jax_moe.combine(comm, expert_y.astype(jnp.bfloat16), weights, d).astype(out_dtype)
+            y = jax_moe.combine(comm, expert_y.astype(jnp.bfloat16), None, d).astype(out_dtype)  # d's weights
             if y_shared is not None:
                 y = y + y_shared.astype(out_dtype)
             return y.reshape(x.shape[:-1] + (y.shape[-1],)), aux

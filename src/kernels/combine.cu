@@ -1,5 +1,6 @@
-// combine_send (expert rows back to the tokens' owners, at their (t, k) entries) and combine_recv (wait, float32
-// weighted sum per token), plus the time-stamp kernel of the benchmark.
+// combine_send (expert rows back to the tokens' owners: per (t, k) entry, or per (token, rank) weighted and summed at
+// the expert rank, see CombineMode) and combine_recv (wait, float32 weighted sum per token), plus the time-stamp kernel
+// of the benchmark.
 #include <cuda_bf16.h>
 
 #include "kernels/copy.cuh"
@@ -13,8 +14,86 @@ namespace {
 
 constexpr int kRecvThreads = 128;  // combine_recv: one thread per 16-byte output vector of a 128-vector piece
 
+// The reduced modes: this rank's own entries only record their rows (combine_recv reads them from expert_y); per
+// (token owner q on this node, token t, 4 KiB piece) one warp sums the rows of q's token t held here, weighted by the
+// weights dispatch carried (kWeighted) or by 1 (kUnit), in float32, and writes one bf16 row into q's entry of the
+// token's first k here (combine_recv knows it from topk_idx). Rows come from the route table of dispatch_recv; rows
+// at or past `total` (a route not from dispatch_recv) are skipped.
+__device__ void SendSums(const KernelArgs& a, int ch, int mode, const uint8_t* y, const int32_t* route, long long total) {
+  const MoeShape& s = a.s;
+  const int r = s.experts_per_token, lane = threadIdx.x & 31;
+  const long long entries = s.entries();
+  const int32_t* rows = route + RouteTableOffset(s);
+  const float* weights = reinterpret_cast<const float*>(route + RouteWeightsOffset(s));
+  int32_t* self = reinterpret_cast<int32_t*>(a.base + a.lay.self) + ch * entries;
+  const int32_t* own = rows + a.rank * entries;
+  for (long long j = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; j < entries;
+       j += static_cast<long long>(gridDim.x) * blockDim.x)
+    self[j] = own[j] < total ? own[j] : -1;
+  // 2 KiB pieces (4 vectors a lane): 32 float32 sums a lane keep the kernel at two blocks an SM.
+  constexpr int kSumVecs = 4, kSumBytes = kSumVecs * 32 * 16;
+  const int row_bytes = s.combine_row_bytes(), chunks = (row_bytes + kSumBytes - 1) / kSumBytes;
+  const long long items = static_cast<long long>(s.num_ranks) * s.max_tokens * chunks;
+  for (long long item = blockIdx.x * kWarps + (threadIdx.x >> 5); item < items; item += gridDim.x * kWarps) {
+    const long long pair = item / chunks;
+    const int off = static_cast<int>(item - pair * chunks) * kSumBytes;
+    const int q = static_cast<int>(pair / s.max_tokens), t = static_cast<int>(pair - static_cast<long long>(q) * s.max_tokens);
+    if (q == a.rank || IsRemote(a, q)) continue;  // the same for the whole warp
+    int row = -1;
+    float wt = 0.f;
+    if (lane < r) {
+      const size_t at = (static_cast<size_t>(q) * s.max_tokens + t) * r + lane;
+      row = rows[at];
+      wt = mode == kUnit ? 1.f : weights[at];
+      if (row >= total) row = -1;
+    }
+    unsigned m = __ballot_sync(0xffffffffu, row >= 0);
+    if (m == 0) continue;  // no entry of this token is here
+    const int first = __ffs(m) - 1;
+    const int vecs = (row_bytes - off < kSumBytes ? row_bytes - off : kSumBytes) >> 4;
+    float acc[kSumVecs][8];
+#pragma unroll
+    for (int u = 0; u < kSumVecs; ++u)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
+    while (m) {
+      const int k = __ffs(m) - 1;
+      m &= m - 1;
+      const int i = __shfl_sync(0xffffffffu, row, k);
+      const float wk = __shfl_sync(0xffffffffu, wt, k);
+      if (wk == 0.f) continue;  // as combine_recv: a row with weight 0 adds nothing, even a non-finite one
+      const int4* src = reinterpret_cast<const int4*>(y + static_cast<size_t>(i) * row_bytes + off);
+      int4 v[kSumVecs];
+#pragma unroll
+      for (int u = 0; u < kSumVecs; ++u)
+        if (lane + 32 * u < vecs) v[u] = LoadCg(src + lane + 32 * u);
+#pragma unroll
+      for (int u = 0; u < kSumVecs; ++u) {
+        if (lane + 32 * u >= vecs) continue;
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __bfloat1622float2(h[j]);
+          acc[u][2 * j] = fmaf(wk, f.x, acc[u][2 * j]);
+          acc[u][2 * j + 1] = fmaf(wk, f.y, acc[u][2 * j + 1]);
+        }
+      }
+    }
+    int4* dst = reinterpret_cast<int4*>(Peer(a, q) + a.lay.comb + (ch * entries + static_cast<long long>(t) * r + first) * row_bytes + off);
+#pragma unroll
+    for (int u = 0; u < kSumVecs; ++u) {
+      if (lane + 32 * u >= vecs) continue;
+      int4 o;
+      __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) oh[j] = __floats2bfloat162_rn(acc[u][2 * j], acc[u][2 * j + 1]);
+      dst[lane + 32 * u] = o;
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads)
-    CombineSendKernel(KernelArgs a, int ch, const uint8_t* y, const int32_t* route, int32_t* ticket) {
+    CombineSendKernel(KernelArgs a, int ch, int mode, const uint8_t* y, const int32_t* route, int32_t* ticket) {
   extern __shared__ uint8_t smem[];
   const MoeShape& s = a.s;
   const int n = s.num_ranks, blocks = s.num_experts;
@@ -58,13 +137,15 @@ __global__ void __launch_bounds__(kThreads)
   total = total < 0 ? 0 : (total > rows ? rows : total);
   const int lane = threadIdx.x & 31;
   const int chunks = ChunksOf(s.combine_row_bytes());
-  const long long items = total * chunks;
+  // Per row: every row in kPerEntry, else only the rows of ranks on other nodes.
+  const long long items = mode != kPerEntry && a.num_remote == 0 ? 0 : total * chunks;
   for (long long item = blockIdx.x * kWarps + (threadIdx.x >> 5); item < items; item += gridDim.x * kWarps) {
     const long long i = item / chunks;
     const int off = static_cast<int>(item - i * chunks) * kChunkBytes;
     const int from = route[i];
     const int q = static_cast<int>(from / entries);
     if (from < 0 || q >= s.num_ranks) continue;
+    if (mode != kPerEntry && !IsRemote(a, q)) continue;  // summed per token below
     const long long tk = from - q * entries;
     if (IsRemote(a, q)) {  // into q's region, at the place of row i among q's rows
       if (!free_ok) continue;
@@ -87,6 +168,7 @@ __global__ void __launch_bounds__(kThreads)
     const int bytes = s.combine_row_bytes() - off < kChunkBytes ? s.combine_row_bytes() - off : kChunkBytes;
     WarpCopy16(Peer(a, q) + a.lay.comb + (ch * entries + tk) * s.combine_row_bytes() + off, y + i * s.combine_row_bytes() + off, bytes, lane);
   }
+  if (mode != kPerEntry) SendSums(a, ch, mode, y, route, total);
   FinishBlock(a, half, [&](LocalSync* ls) {
     for (int p = 0; p < n; ++p)
       if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, flag) + a.rank, epoch);
@@ -98,7 +180,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void __launch_bounds__(kRecvThreads)
-    CombineRecvKernel(KernelArgs a, int ch, int tokens, const float* w, const int32_t* idx, const uint8_t* y,
+    CombineRecvKernel(KernelArgs a, int ch, int mode, int tokens, const float* w, const int32_t* idx, const uint8_t* y,
                       uint8_t* out) {
   extern __shared__ uint8_t smem[];
   const uint8_t** src = reinterpret_cast<const uint8_t**>(smem);  // [R] row of entry k (comb area or expert_y)
@@ -142,6 +224,14 @@ __global__ void __launch_bounds__(kRecvThreads)
       if (g >= 0 && g / s.local_experts == a.rank) {
         const int32_t i = reinterpret_cast<const int32_t*>(a.base + a.lay.self)[ch * s.entries() + entry];
         if (i >= 0 && i < s.max_recv_rows()) row = y + static_cast<size_t>(i) * s.combine_row_bytes(); else wt = 0.f;
+      } else if (g >= 0 && mode != kPerEntry && !IsRemote(a, g / s.local_experts)) {
+        // The peer sent this token's rows on it as one weighted sum, in the entry of its first k there.
+        const int p = g / s.local_experts;
+        wt = 1.f;
+        for (int j = 0; j < k; ++j) {
+          const int h = SentExpert(idx + static_cast<size_t>(t) * s.experts_per_token, j, s.num_experts);
+          if (h >= 0 && h / s.local_experts == p) wt = 0.f;
+        }
       } else if (g >= 0 && IsRemote(a, g / s.local_experts)) {
         const int p = g / s.local_experts;
         const int32_t i = fpos[entry];
@@ -199,21 +289,25 @@ __global__ void TimestampKernel(uint64_t* out) { out[0] = GlobalTimer(); }
 
 }  // namespace
 
-cudaError_t LaunchCombineSend(const KernelArgs& a, int channel, const void* expert_y, const int32_t* route,
+cudaError_t LaunchCombineSend(const KernelArgs& a, int channel, int mode, const void* expert_y, const int32_t* route,
                               int32_t* ticket, cudaStream_t stream) {
-  // A warp per 4 KiB piece of a row (the rows received are not known on the host): every SM takes part.
-  const int grid = GridFor(a.s.max_recv_rows() * ChunksOf(a.s.combine_row_bytes()), kWarps, a.num_sms);
+  // A warp per 4 KiB piece of a row, or of a (token owner, token) sum (the rows received are not known on the host):
+  // every SM takes part.
+  const long long items = mode == kPerEntry ? a.s.max_recv_rows() * ChunksOf(a.s.combine_row_bytes())
+                                            : int64_t(a.s.num_ranks) * a.s.max_tokens * ChunksOf(a.s.combine_row_bytes()) * 2;
+  const int grid = GridFor(items, kWarps, a.num_sms);
   const size_t smem = a.num_remote > 0 ? sizeof(int) * (2 * a.s.num_experts + 1) : 0;
   if (smem > 48 * 1024) {
     if (cudaError_t err = cudaFuncSetAttribute(CombineSendKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
         err != cudaSuccess)
       return err;
   }
-  CombineSendKernel<<<grid, kThreads, smem, stream>>>(a, channel, static_cast<const uint8_t*>(expert_y), route, ticket);
+  CombineSendKernel<<<grid, kThreads, smem, stream>>>(a, channel, mode, static_cast<const uint8_t*>(expert_y), route,
+                                                     ticket);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchCombineRecv(const KernelArgs& a, int channel, int tokens, const float* topk_weights,
+cudaError_t LaunchCombineRecv(const KernelArgs& a, int channel, int mode, int tokens, const float* topk_weights,
                               const int32_t* topk_idx, const void* expert_y, void* out, cudaStream_t stream) {
   const int pieces = ((a.s.combine_row_bytes() >> 4) + kRecvThreads - 1) / kRecvThreads;
   long long items = static_cast<long long>(tokens) * pieces;
@@ -222,7 +316,7 @@ cudaError_t LaunchCombineRecv(const KernelArgs& a, int channel, int tokens, cons
   if (a.num_remote > 0) {  // first: where each remote entry's row will sit
     if (cudaError_t err = LaunchCombineIndex(a, channel, tokens, topk_idx, stream); err != cudaSuccess) return err;
   }
-  CombineRecvKernel<<<grid, kRecvThreads, smem, stream>>>(a, channel, tokens, topk_weights, topk_idx,
+  CombineRecvKernel<<<grid, kRecvThreads, smem, stream>>>(a, channel, mode, tokens, topk_weights, topk_idx,
                                                          static_cast<const uint8_t*>(expert_y),
                                                          static_cast<uint8_t*>(out));
   return cudaGetLastError();

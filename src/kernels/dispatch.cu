@@ -11,15 +11,15 @@ namespace jax_moe::cuda {
 namespace {
 
 // dispatch_send. Two independent jobs share the grid, so one launch does both:
-//  - per (token, rank) pair, one warp: if any expert of the token lives on that rank, copy the token (and its fp8
-//    scales) once into tokens[my_rank][t] there. Over NVLink that is each token once per rank, not once per (t, k).
+//  - per (token, rank) pair, one warp: if any expert of the token lives on that rank, copy the token (its fp8
+//    scales, its router weights when given) once into tokens[my_rank][t] there. Over NVLink that is each token once per rank, not once per (t, k).
 //  - per global expert g (blocks g, g + gridDim.x, ...): scan the tokens in order; the i-th (t, k) naming g goes to
 //    list[my_rank][e][i] on g's rank (e = g's local index), the count to counts[my_rank][e] there. Ranks come from
 //    warp ballots, so the order is the tokens' order without sorting.
 // Ids outside [0, E) other than -1 are masked and reported (block 0 checks them).
 __global__ void __launch_bounds__(kThreads)
-    DispatchSendKernel(KernelArgs a, int tokens, const uint8_t* x, const uint8_t* xs, const int32_t* idx,
-                       int32_t* ticket) {
+    DispatchSendKernel(KernelArgs a, int tokens, const uint8_t* x, const uint8_t* xs, const float* w,
+                       const int32_t* idx, int32_t* ticket) {
   const MoeShape& s = a.s;
   const int experts = s.num_experts, r = s.experts_per_token, n = s.num_ranks;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -55,10 +55,12 @@ __global__ void __launch_bounds__(kThreads)
     }
     // Own tokens: dispatch_recv reads them from x; remote ranks': DispatchPackKernel.
     if (p == a.rank || IsRemote(a, p) || !__any_sync(0xffffffffu, here)) continue;
-    uint8_t* dst = Peer(a, p) + a.lay.tokens + (static_cast<size_t>(a.rank) * s.max_tokens + t) * s.dispatch_row_bytes();
+    uint8_t* dst = Peer(a, p) + a.lay.tokens + (static_cast<size_t>(a.rank) * s.max_tokens + t) * RecordBytes(s);
     const int bytes = s.x_bytes() - off < kChunkBytes ? s.x_bytes() - off : kChunkBytes;
     WarpCopy16(dst + off, x + static_cast<size_t>(t) * s.x_bytes() + off, bytes, lane);
     if (xs && off == 0) WarpCopy4(dst + s.x_bytes(), xs + static_cast<size_t>(t) * s.scale_bytes(), s.scale_bytes(), lane);
+    if (w && off == 0 && lane < r)
+      reinterpret_cast<float*>(dst + s.x_bytes() + s.scale_bytes())[lane] = w[static_cast<size_t>(t) * r + lane];
   }
 
   for (int g = blockIdx.x; g < experts; g += gridDim.x) {
@@ -101,14 +103,73 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
+// First index in list[0, n) (ascending) whose value is >= v.
+__device__ __forceinline__ int LowerBound(const int32_t* list, int n, int v) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (__ldcg(list + mid) < v) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+constexpr int kTableTokens = 64;  // tokens of one route-table job
+
+// dispatch_recv's route table (RouteTableOffset): per (sender q, token t, k) the expert_x row of that entry, -1 where
+// none is here, and its router weight, for the reduced combine modes. One job = (q, kTableTokens tokens): for each
+// local expert, the list entries of those tokens (a binary search: a list is in token order) mark their rows in shared
+// memory, then the job writes all its slots, so every slot is written each round without a grid-wide barrier. Entries
+// from a peer are bounded (t in the job, k < R, i < the checked count) before they are followed.
+__device__ void FillRouteTable(const KernelArgs& a, const int* start, const int* ok, const int32_t* list,
+                               const uint8_t* toks, const float* w, int x_tokens, int* tab, int32_t* route) {
+  const MoeShape& s = a.s;
+  const int n = s.num_ranks, l = s.local_experts, r = s.experts_per_token;
+  const int chunks = (s.max_tokens + kTableTokens - 1) / kTableTokens;
+  int32_t* rows = route + RouteTableOffset(s);
+  float* weights = reinterpret_cast<float*>(route + RouteWeightsOffset(s));
+  for (int job = blockIdx.x; job < n * chunks; job += gridDim.x) {
+    const int q = job / chunks, t0 = (job - q * chunks) * kTableTokens;
+    const int tn = s.max_tokens - t0 < kTableTokens ? s.max_tokens - t0 : kTableTokens;
+    for (int j = threadIdx.x; j < kTableTokens * r; j += blockDim.x) tab[j] = -1;
+    __syncthreads();
+    if (ok[q] && !IsRemote(a, q)) {
+      for (int e = threadIdx.x; e < l; e += blockDim.x) {
+        const int f = e * n + q, count = start[f + 1] - start[f];
+        const int32_t* lst = list + (static_cast<size_t>(q) * l + e) * s.max_tokens;
+        const int hi = LowerBound(lst, count, (t0 + tn) * r);
+        for (int i = LowerBound(lst, count, t0 * r); i < hi; ++i) {
+          const int tk = __ldcg(lst + i);
+          const int t = tk / r - t0, k = tk - (tk / r) * r;
+          if (tk >= 0 && t >= 0 && t < tn) tab[t * r + k] = start[f] + i;
+        }
+      }
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < tn * r; j += blockDim.x) {
+      const int row = tab[j], t = t0 + j / r, k = j - (j / r) * r;
+      float wt = 0.f;
+      if (row >= 0 && w && q == a.rank) {
+        wt = t < x_tokens ? w[static_cast<size_t>(t) * r + k] : 0.f;
+      } else if (row >= 0 && w) {  // the record was written this round: the token has a row here
+        wt = __ldcg(reinterpret_cast<const float*>(toks + (static_cast<size_t>(q) * s.max_tokens + t) * RecordBytes(s) +
+                                                   s.x_bytes() + s.scale_bytes()) + k);
+      }
+      const size_t at = (static_cast<size_t>(q) * s.max_tokens + t0) * r + j;
+      rows[at] = row;
+      weights[at] = wt;
+    }
+    __syncthreads();
+  }
+}
+
 // dispatch_recv. Every block waits for the senders, then lays out the contract order in shared memory: block
 // f = e * n + s (local expert e, sender s) starts at start[f]. One warp per expert_x row: rows below the total are
 // copied from the sender's token, the rest zeroed (the reference's padding is zeros; a stale NaN there would poison
 // `x * 0` downstream). Counts and list entries come from peers: anything out of range is dropped, never followed,
 // and reported (kBadPeerData).
 __global__ void __launch_bounds__(kThreads)
-    DispatchRecvKernel(KernelArgs a, const uint8_t* x, const uint8_t* xs, int x_tokens, uint8_t* ox, uint8_t* os,
-                       int32_t* ocounts, int32_t* route) {
+    DispatchRecvKernel(KernelArgs a, const uint8_t* x, const uint8_t* xs, const float* w, int x_tokens, uint8_t* ox,
+                       uint8_t* os, int32_t* ocounts, int32_t* route) {
   extern __shared__ int smem[];
   const MoeShape& s = a.s;
   const int n = s.num_ranks, l = s.local_experts, blocks = s.num_experts;
@@ -117,6 +178,7 @@ __global__ void __launch_bounds__(kThreads)
   int* warp_sums = ok + n;          // [32]
   int* loff = warp_sums + 32;       // [blocks]: remote senders only: where block f's entries start in q's list
   int* frows = loff + blocks;       // [n]: remote senders only: token records in q's region
+  int* tab = frows + n;             // [kTableTokens * R]: the rows of one route-table job's entries
   __shared__ int fab_ok;
   const unsigned long long epoch = Local(a)->epoch[kDispatchRecv] + 1;
   const FabricArgs& fab = a.fab[0];
@@ -179,6 +241,7 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x & 31;
   const int32_t* list = reinterpret_cast<const int32_t*>(a.base + a.lay.list);
   const uint8_t* toks = a.base + a.lay.tokens;
+  FillRouteTable(a, start, ok, list, toks, w, x_tokens, tab, route);
   const long long entries = s.entries(), rows = s.max_recv_rows();
   // Warp w takes rows w, w + W, w + 2W, ... (W warps in the grid), 32 at a time: lane j first finds the source of
   // the j-th (one list load each, all in flight together), then the warp copies or zeroes the 32 rows in turn.
@@ -224,7 +287,7 @@ __global__ void __launch_bounds__(kThreads)
       const uint8_t* src =
           q == a.rank      ? x + static_cast<size_t>(t) * s.x_bytes()
           : IsRemote(a, q) ? RecvRegion(fab, a, epoch, q) + FabricRecordsOffset(s) + static_cast<size_t>(t) * s.dispatch_row_bytes()
-                           : toks + (static_cast<size_t>(q) * s.max_tokens + t) * s.dispatch_row_bytes();
+                           : toks + (static_cast<size_t>(q) * s.max_tokens + t) * RecordBytes(s);
       WarpCopy16(ox + i * s.x_bytes(), src, s.x_bytes(), lane);
       if (os) {
         const uint8_t* src_scale = q == a.rank ? xs + static_cast<size_t>(t) * s.scale_bytes() : src + s.x_bytes();
@@ -244,7 +307,8 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 cudaError_t LaunchDispatchSend(const KernelArgs& a, int tokens, const void* x, const void* x_scale,
-                               const int32_t* topk_idx, int32_t* ticket, cudaStream_t stream) {
+                               const float* topk_weights, const int32_t* topk_idx, int32_t* ticket,
+                               cudaStream_t stream) {
   // Enough blocks for one per expert scan and for every (token, rank) copy to have its warp, up to 2 per SM.
   int grid = GridFor(static_cast<long long>(tokens) * a.s.num_ranks * ChunksOf(a.s.x_bytes()), kWarps, a.num_sms);
   if (grid < a.s.num_experts) grid = a.s.num_experts < 2 * a.num_sms ? a.s.num_experts : 2 * a.num_sms;
@@ -252,17 +316,26 @@ cudaError_t LaunchDispatchSend(const KernelArgs& a, int tokens, const void* x, c
     if (cudaError_t err = LaunchDispatchPack(a, tokens, x, x_scale, topk_idx, stream); err != cudaSuccess) return err;
   }
   DispatchSendKernel<<<grid, kThreads, 0, stream>>>(a, tokens, static_cast<const uint8_t*>(x),
-                                                    static_cast<const uint8_t*>(x_scale), topk_idx, ticket);
+                                                    static_cast<const uint8_t*>(x_scale), topk_weights, topk_idx,
+                                                    ticket);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchDispatchRecv(const KernelArgs& a, const void* x, const void* x_scale, int x_tokens, void* expert_x,
-                               void* expert_x_scale, int32_t* counts, int32_t* route, cudaStream_t stream) {
-  const size_t smem = sizeof(int) * (a.s.num_experts + 1 + a.s.num_ranks + 32 + a.s.num_experts + a.s.num_ranks);
+cudaError_t LaunchDispatchRecv(const KernelArgs& a, const void* x, const void* x_scale, const float* topk_weights,
+                               int x_tokens, void* expert_x, void* expert_x_scale, int32_t* counts, int32_t* route,
+                               cudaStream_t stream) {
+  const size_t smem = sizeof(int) * (a.s.num_experts + 1 + a.s.num_ranks + 32 + a.s.num_experts + a.s.num_ranks +
+                                     kTableTokens * a.s.experts_per_token);
+  if (smem > 48 * 1024) {
+    if (cudaError_t err = cudaFuncSetAttribute(DispatchRecvKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+        err != cudaSuccess)
+      return err;
+  }
   // A warp per expert_x row: the received ones are copied, the padding zeroed.
   const int grid = GridFor(a.s.max_recv_rows(), kWarps * 2, a.num_sms);
   DispatchRecvKernel<<<grid, kThreads, smem, stream>>>(
-      a, static_cast<const uint8_t*>(x), static_cast<const uint8_t*>(x_scale), x_tokens, static_cast<uint8_t*>(expert_x),
+      a, static_cast<const uint8_t*>(x), static_cast<const uint8_t*>(x_scale), topk_weights, x_tokens,
+      static_cast<uint8_t*>(expert_x),
       static_cast<uint8_t*>(expert_x_scale), counts, route);
   return cudaGetLastError();
 }

@@ -57,7 +57,8 @@ struct MoeLayout {
   size_t trace = 0;   // uint64 [kTraceRing][kHalves][kTracePoints] (this device only)
   size_t counts = 0;  // int32 [n][l]: tokens per local expert from sender s
   size_t list = 0;    // int32 [n][l][max_tokens]: t * R + k on sender s of the i-th token for local expert e
-  size_t tokens = 0;  // [n][max_tokens] records of rec_bytes: token t of sender s (only those sent are written)
+  size_t tokens = 0;  // [n][max_tokens] records of RecordBytes: token t of sender s, its scales, then its R router
+                      // weights when dispatch_send was given them (only the tokens sent are written)
   size_t comb = 0;    // [channels][max_tokens * R] rows of y_bytes: expert outputs returned to this token owner
   size_t self = 0;    // int32 [channels][max_tokens * R]: for entries served by this rank, their expert_y row (this
                       // rank's own rows are not copied: combine_recv reads them from expert_y)
@@ -79,6 +80,18 @@ struct LocalSync {
   unsigned long long fab_seen[1 + kCombineChannels][2];
 };
 
+// An NVLink token record: the row, its fp8 scales, then the token's R router weights (float32), 16-byte aligned. The
+// weights let combine_send weight and sum a token's rows at the expert rank (CombineMode::kWeighted).
+JAX_MOE_HD inline int RecordBytes(const MoeShape& s) {
+  return int(AlignUp(uint64_t(s.x_bytes()) + s.scale_bytes() + 4ull * s.experts_per_token, 16));
+}
+
+// How combine_send returns rows. kPerEntry: one row per (t, k), weighted by combine_recv. kWeighted: per token owner
+// s and token t, the rows this rank holds are weighted (the weights dispatch_send carried) and summed in float32, and
+// one bf16 row goes back, into the entry of the token's first k on this rank; kUnit: the same with unit weights (the
+// transpose of dispatch). Ranks on other nodes always get kPerEntry rows (their regions hold (t, k) rows).
+enum CombineMode { kPerEntry = 0, kWeighted = 1, kUnit = 2 };
+
 inline MoeLayout MakeLayout(const MoeShape& s) {
   MoeLayout m;
   size_t at = 0;
@@ -89,7 +102,7 @@ inline MoeLayout MakeLayout(const MoeShape& s) {
   m.trace = take(sizeof(unsigned long long) * kTraceRing * kHalves * kTracePoints);
   m.counts = take(sizeof(int32_t) * s.num_ranks * s.local_experts);
   m.list = take(sizeof(int32_t) * size_t(s.num_ranks) * s.local_experts * s.max_tokens);
-  m.tokens = take(size_t(s.dispatch_row_bytes()) * s.num_ranks * s.max_tokens);
+  m.tokens = take(size_t(RecordBytes(s)) * s.num_ranks * s.max_tokens);
   m.comb = take(size_t(s.combine_row_bytes()) * s.entries() * kCombineChannels);
   m.self = take(sizeof(int32_t) * s.entries() * kCombineChannels);
   m.fpos = take(sizeof(int32_t) * s.entries() * kCombineChannels);
@@ -99,8 +112,14 @@ inline MoeLayout MakeLayout(const MoeShape& s) {
 }
 
 // route of dispatch_recv (int32): [M] rows' origins, [M] rows received, then [E + 1] the exclusive prefix of the rows
-// per (local expert, sender) block, which combine_send needs to pack a remote rank's rows in its order.
-JAX_MOE_HD inline int64_t RouteLength(const MoeShape& s) { return s.max_recv_rows() + 2 + s.num_experts; }
+// per (local expert, sender) block, which combine_send needs to pack a remote rank's rows in its order; then per
+// (sender s, token t, k) the expert_x row of entry (t, k) of s ([n][max_tokens][R], -1 where none is here) and its
+// router weight as float32 bits (0 where none), which the reduced combine modes sum by (not filled for senders on
+// other nodes: their rows go back per entry).
+JAX_MOE_HD inline int64_t RouteTableOffset(const MoeShape& s) { return s.max_recv_rows() + 2 + s.num_experts; }
+JAX_MOE_HD inline int64_t RouteTableLength(const MoeShape& s) { return int64_t(s.num_ranks) * s.entries(); }
+JAX_MOE_HD inline int64_t RouteWeightsOffset(const MoeShape& s) { return RouteTableOffset(s) + RouteTableLength(s); }
+JAX_MOE_HD inline int64_t RouteLength(const MoeShape& s) { return RouteWeightsOffset(s) + RouteTableLength(s); }
 
 // --- ranks on other nodes: regions the host proxy moves (src/proxy/pump.h) ------------------------------------------
 // Per round stream (dispatch, combine channel 0, 1) a device owns a send area and a receive area in pinned host

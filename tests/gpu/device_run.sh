@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call verifies a commit on the lent GPU machine (docs/cuda.md, "Verification"):
 #   bash tests/gpu/device_run.sh [STAGES] [bench args...]
-# STAGES: comma-separated from build, cpu, gpu, demo, bench, proxy, overlap, nodes (default: build,cpu,gpu,demo). The full build uses the
+# STAGES: comma-separated from build, cpu, gpu, demo, bench, proxy, overlap, nodes, ipc (default: build,cpu,gpu,demo). The full build uses the
 # libfabric headers carried in third_party_headers/libfabric (the image has the runtime only). Logs go to $OUT (or
 # ./gpu_out); the last lines printed are "SUMMARY ..." lines, one per stage. NVLink multicast stays off.
 set -o pipefail
@@ -76,15 +76,27 @@ if has overlap; then  # issue 14's overlap benchmark: on the GPU (one GPU: EP1, 
   stage overlap_cpu 200 env JAX_PLATFORMS=cpu python3 -m jax_moe.bench overlap --backend cpu,xla \
     --json "$OUT/overlap_cpu.json"
 fi
-if has nodes; then  # ranks on other nodes (issue 13) on one GPU: two processes under MPS with half the SMs each
+mps_start() {  # two processes on one GPU run their kernels side by side only under MPS
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/jax_moe_mps CUDA_MPS_LOG_DIRECTORY=/tmp/jax_moe_mps_log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   nvidia-cuda-mps-control -d
+}
+mps_stop() { echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; }
+if has nodes; then  # ranks on other nodes (issue 13) on one GPU: two processes under MPS with half the SMs each
+  mps_start
   for provider in ${NODES_PROVIDERS:-shm tcp}; do
     stage "nodes_$provider" 200 env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_CUDA_TRACE=1 \
       python3 -m jax_moe.bench moe --backend cuda --shape "${NODES_SHAPE:-decode}" --iters 200 --processes 2 \
       --ranks-per-node 1 --provider "$provider" --out "$OUT/nodes_$provider"
   done
-  echo quit | nvidia-cuda-mps-control
+  mps_stop
+fi
+if has ipc; then  # EP2 through the NVLink kernels between two processes (CUDA IPC); with one GPU both share it under
+  # MPS (half the SMs each, HBM instead of NVLink): the summed combine (cuda) against rows per (t, k) (cuda-entry)
+  [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || mps_start
+  stage ipc ${IPC_LIMIT_S:-300} env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_CUDA_TRACE=1 \
+    python3 -m jax_moe.bench moe --backend cuda,cuda-entry --shape "${IPC_SHAPE:-decode,prefill}" \
+    --iters "${IPC_ITERS:-200}" --processes 2 --ranks-per-node 2 --out "$OUT/ipc"
+  [ -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || mps_stop
 fi
 printf '%s\n' "${summary[@]}"

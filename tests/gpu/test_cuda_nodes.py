@@ -48,6 +48,14 @@ def test_two_processes_as_two_nodes(provider, rng):
 
 
 @pytest.mark.multiprocess
+def test_two_processes_in_one_node(rng):
+    """2 processes, one node: the NVLink kernels between processes (CUDA IPC), on one GPU both ranks in its memory.
+    The worker's round trips take the weights at combine (rows per (t, k)) and at dispatch (summed per token and
+    rank at the expert rank), and dispatch's transpose sums with unit weights."""
+    _run_workers(2, 2, "shm", rng)
+
+
+@pytest.mark.multiprocess
 def test_four_processes_as_two_nodes_of_two_hybrid(rng):
     """4 processes as 2 nodes x 2 ranks: NVLink (CUDA IPC) inside a node, the proxy between nodes, in one group."""
     _run_workers(4, 2, "shm", rng)

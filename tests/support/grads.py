@@ -16,19 +16,21 @@ def local_expert_of_rows(counts: jax.Array, rows: int) -> jax.Array:
     return jnp.clip(e, 0, counts.shape[0] - 1)
 
 
-def moe_loss_fn(comm, split_halves: bool, collective: bool = True):
+def moe_loss_fn(comm, split_halves: bool, collective: bool = True, weights_at_dispatch: bool = False):
     """jit(grad) of the MoE loss over (x, topk_weights, a, b). collective=False: each rank's partial loss is pulled
-    back on its own, with no all-reduce (for processes sharing a GPU, which NCCL refuses): the same gradients."""
+    back on its own, with no all-reduce (for processes sharing a GPU, which NCCL refuses): the same gradients.
+    weights_at_dispatch: topk_weights go to dispatch and combine gets None (their gradient flows back through d)."""
     axis = comm.axis_name
 
     def body(x, idx, w, a, b, g):
+        wd, wc = (w, None) if weights_at_dispatch else (None, w)
         if split_halves:
-            d = comm.dispatch_recv(comm.dispatch_send(x, idx))
+            d = comm.dispatch_recv(comm.dispatch_send(x, idx, topk_weights=wd))
         else:
-            d = comm.dispatch(x, idx)
+            d = comm.dispatch(x, idx, topk_weights=wd)
         e = local_expert_of_rows(d.expert_counts, d.expert_x.shape[0])
         y = (d.expert_x.astype(jnp.float32) * a[e] + b[e]).astype(jnp.bfloat16)
-        out = comm.combine_recv(comm.combine_send(y, d), w) if split_halves else comm.combine(y, w, d)
+        out = comm.combine_recv(comm.combine_send(y, d), wc) if split_halves else comm.combine(y, wc, d)
         part = jnp.sum(out.astype(jnp.float32) * g)
         return jax.lax.psum(part, axis) if collective else part[None]
 

@@ -120,16 +120,21 @@ def ranks_for(backend: str, n: int) -> int:
     return 2 if backend == "cuda" else n
 
 
-def roundtrip(comm, x, idx, w, scale=None, split_halves=False):
-    """dispatch -> per-expert transform -> combine, per rank; returns global arrays."""
+WEIGHTS_AT = pytest.mark.parametrize("weights_at_dispatch", [False, True], ids=["w@combine", "w@dispatch"])
+
+
+def roundtrip(comm, x, idx, w, scale=None, split_halves=False, weights_at_dispatch: bool = False):
+    """dispatch -> per-expert transform -> combine, per rank; returns global arrays. weights_at_dispatch: w goes to
+    dispatch (the expert ranks may sum a token's rows) and combine gets None."""
 
     def body(x, idx, w, scale):
+        wd, wc = (w, None) if weights_at_dispatch else (None, w)
         if split_halves:
-            d = comm.dispatch_recv(comm.dispatch_send(x, idx, x_scale=scale))
+            d = comm.dispatch_recv(comm.dispatch_send(x, idx, x_scale=scale, topk_weights=wd))
         else:
-            d = comm.dispatch(x, idx, x_scale=scale)
+            d = comm.dispatch(x, idx, x_scale=scale, topk_weights=wd)
         y = expert_fn(d.expert_x, d.expert_counts, comm)
-        out = comm.combine_recv(comm.combine_send(y, d), w) if split_halves else comm.combine(y, w, d)
+        out = comm.combine_recv(comm.combine_send(y, d), wc) if split_halves else comm.combine(y, wc, d)
         return d.expert_x, d.expert_x_scale, d.expert_counts, out
 
     return run(comm, body, x, idx, w, scale, out_specs=P(comm.axis_name))

@@ -81,8 +81,9 @@ def main() -> None:
             x, scale = random_tokens(rng, n * tt, hidden, fp8)
             idx = random_routing(rng, n, tt, r, e, mask=0.2, skew=variant == "skewed")
             w = rng.random((n * tt, r)).astype(np.float32)
-            outs = [gather(o) for o in roundtrip(comm, x, idx, w, scale)]
-            check_roundtrip(comm, n, x, idx, w, scale, outs)
+            for at_dispatch in (False, True):  # rows per (t, k), or summed per (token, rank) at the experts
+                outs = [gather(o) for o in roundtrip(comm, x, idx, w, scale, weights_at_dispatch=at_dispatch)]
+                check_roundtrip(comm, n, x, idx, w, scale, outs)
         # Several rounds in one program, forward and backward (micro-batch accumulation sums the weights' gradients
         # with an all-reduce: not where processes share a GPU).
         run_all(comm, rng, 3, fp8, gather=gather, micro=None if SHARED_GPUS else 2)

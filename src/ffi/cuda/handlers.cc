@@ -72,6 +72,21 @@ ffi::Error CheckScaleType(const char* what, ffi::DataType type) {
   return ffi::Error::Success();
 }
 
+// Router weights given to dispatch_send: float32 [T, R] (T = the tokens of x).
+ffi::Error CheckWeights(ffi::AnyBuffer w, int64_t tokens, int r) {
+  const auto dims = w.dimensions();
+  if (w.element_type() != ffi::DataType::F32 || dims.size() != 2 || dims[0] != tokens || dims[1] != r)
+    return ffi::Error::InvalidArgument("jax_moe cuda: topk_weights must be float32 [T, experts_per_token]");
+  return ffi::Error::Success();
+}
+
+// The combine modes (kernels/moe_layout.h CombineMode).
+ffi::Error CheckMode(int64_t mode) {
+  if (mode != kPerEntry && mode != kWeighted && mode != kUnit)
+    return ffi::Error::InvalidArgument("jax_moe cuda: bad combine mode");
+  return ffi::Error::Success();
+}
+
 ffi::Error CheckRows(const char* what, ffi::Span<const int64_t> dims, int64_t rows, int64_t row_bytes,
                      size_t itemsize, int64_t want_bytes) {
   if (dims.size() != 2 || dims[0] != rows || dims[1] * static_cast<int64_t>(itemsize) != want_bytes) {
@@ -82,9 +97,9 @@ ffi::Error CheckRows(const char* what, ffi::Span<const int64_t> dims, int64_t ro
 }
 
 template <bool kGraph>
-ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, bool has_scale, ffi::AnyBuffer x,
-                            ffi::AnyBuffer x_scale, ffi::Buffer<ffi::S32> topk_idx,
-                            ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
+ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, bool has_scale, bool has_weights,
+                            ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer topk_weights,
+                            ffi::Buffer<ffi::S32> topk_idx, ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
   std::shared_ptr<const DeviceComm> dev;
   if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
   const KernelArgs& a = dev->args;
@@ -102,12 +117,16 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_i
   const auto idims = topk_idx.dimensions();
   if (idims.size() != 2 || idims[0] != tokens || idims[1] != a.s.experts_per_token)
     return ffi::Error::InvalidArgument("jax_moe cuda: topk_idx must be [T, experts_per_token]");
+  if (has_weights) {
+    if (auto e = CheckWeights(topk_weights, tokens, a.s.experts_per_token); e.failure()) return e;
+  }
   if (auto e = CheckTicket(ticket->element_count()); e.failure()) return e;
   if constexpr (!kGraph) {
     if (auto e = CheckStreamFree(*dev, 0, "dispatch_send"); e.failure()) return e;
   }
   ffi::Error launched = Launched(LaunchDispatchSend(a, static_cast<int>(tokens), x.untyped_data(),
                                                     has_scale ? x_scale.untyped_data() : nullptr,
+                                                    has_weights ? static_cast<const float*>(topk_weights.untyped_data()) : nullptr,
                                                     topk_idx.typed_data(), ticket->typed_data(), stream),
                                  "dispatch_send");
   if (!kGraph && launched.success()) dev->open_rounds[0].fetch_add(1, std::memory_order_relaxed);
@@ -115,8 +134,9 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_i
 }
 
 template <bool kGraph>
-ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, bool has_scale,
+ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, bool has_scale, bool has_weights,
                             ffi::Buffer<ffi::S32> ticket, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
+                            ffi::AnyBuffer topk_weights,
                             ffi::Result<ffi::AnyBuffer> expert_x,
                             ffi::Result<ffi::AnyBuffer> expert_x_scale, ffi::Result<ffi::Buffer<ffi::S32>> counts,
                             ffi::Result<ffi::Buffer<ffi::S32>> route) {
@@ -146,10 +166,14 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_i
         e.failure())
       return e;
   }
+  if (has_weights) {
+    if (auto e = CheckWeights(topk_weights, x_tokens, a.s.experts_per_token); e.failure()) return e;
+  }
   // Shapes first (a shape error is a caller's bug and launches nothing); then the device's earlier error is taken.
   const DeviceReport earlier = TakeError(*dev);
   ffi::Error launched =
       Launched(LaunchDispatchRecv(a, x.untyped_data(), has_scale ? x_scale.untyped_data() : nullptr,
+                                  has_weights ? static_cast<const float*>(topk_weights.untyped_data()) : nullptr,
                                   static_cast<int>(x_tokens), expert_x->untyped_data(),
                                   has_scale ? expert_x_scale->untyped_data() : nullptr, counts->typed_data(),
                                   route->typed_data(), stream),
@@ -159,8 +183,9 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_i
 }
 
 template <bool kGraph>
-ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, int64_t channel, ffi::AnyBuffer expert_y,
-                           ffi::Buffer<ffi::S32> route, ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
+ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, int64_t channel, int64_t mode,
+                           ffi::AnyBuffer expert_y, ffi::Buffer<ffi::S32> route,
+                           ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
   std::shared_ptr<const DeviceComm> dev;
   if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
   const KernelArgs& a = dev->args;
@@ -171,11 +196,12 @@ ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id
     return e;
   if (route.element_count() != size_t(RouteLength(a.s))) return ffi::Error::InvalidArgument("jax_moe cuda: bad route");
   if (channel < 0 || channel >= kCombineChannels) return ffi::Error::InvalidArgument("jax_moe cuda: bad channel");
+  if (auto e = CheckMode(mode); e.failure()) return e;
   if (auto e = CheckTicket(ticket->element_count()); e.failure()) return e;
   if constexpr (!kGraph) {
     if (auto e = CheckStreamFree(*dev, 1 + static_cast<int>(channel), "combine_send"); e.failure()) return e;
   }
-  ffi::Error launched = Launched(LaunchCombineSend(a, static_cast<int>(channel), expert_y.untyped_data(),
+  ffi::Error launched = Launched(LaunchCombineSend(a, static_cast<int>(channel), static_cast<int>(mode), expert_y.untyped_data(),
                                                    route.typed_data(), ticket->typed_data(), stream),
                                  "combine_send");
   if (!kGraph && launched.success()) dev->open_rounds[1 + channel].fetch_add(1, std::memory_order_relaxed);
@@ -183,7 +209,7 @@ ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id
 }
 
 template <bool kGraph>
-ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, int64_t channel,
+ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, int64_t channel, int64_t mode,
                            ffi::Buffer<ffi::S32> ticket,
                            ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> topk_idx,
                            ffi::AnyBuffer expert_y, ffi::Result<ffi::AnyBuffer> out) {
@@ -191,6 +217,7 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id
   if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
   const KernelArgs& a = dev->args;
   if (channel < 0 || channel >= kCombineChannels) return ffi::Error::InvalidArgument("jax_moe cuda: bad channel");
+  if (auto e = CheckMode(mode); e.failure()) return e;
   const auto idims = topk_idx.dimensions();
   if (idims.size() != 2 || idims[1] != a.s.experts_per_token || idims[0] > a.s.max_tokens ||
       topk_weights.element_count() != topk_idx.element_count())
@@ -205,7 +232,7 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id
       e.failure())
     return e;
   const DeviceReport earlier = TakeError(*dev);
-  ffi::Error launched = Launched(LaunchCombineRecv(a, static_cast<int>(channel), static_cast<int>(tokens),
+  ffi::Error launched = Launched(LaunchCombineRecv(a, static_cast<int>(channel), static_cast<int>(mode), static_cast<int>(tokens),
                                                    topk_weights.typed_data(), topk_idx.typed_data(),
                                                    expert_y.untyped_data(), out->untyped_data(), stream),
                                  "combine_recv");
@@ -237,6 +264,8 @@ JAX_MOE_CUDA_HANDLERS(JaxMoeCudaDispatchSend, DispatchSendImpl,
                           .Ctx<ffi::DeviceOrdinal>()
                           .Attr<int64_t>("comm_id")
                           .Attr<bool>("has_scale")
+                          .Attr<bool>("has_weights")
+                          .Arg<ffi::AnyBuffer>()
                           .Arg<ffi::AnyBuffer>()
                           .Arg<ffi::AnyBuffer>()
                           .Arg<ffi::Buffer<ffi::S32>>()
@@ -248,7 +277,9 @@ JAX_MOE_CUDA_HANDLERS(JaxMoeCudaDispatchRecv, DispatchRecvImpl,
                           .Ctx<ffi::DeviceOrdinal>()
                           .Attr<int64_t>("comm_id")
                           .Attr<bool>("has_scale")
+                          .Attr<bool>("has_weights")
                           .Arg<ffi::Buffer<ffi::S32>>()
+                          .Arg<ffi::AnyBuffer>()
                           .Arg<ffi::AnyBuffer>()
                           .Arg<ffi::AnyBuffer>()
                           .Ret<ffi::AnyBuffer>()
@@ -262,6 +293,7 @@ JAX_MOE_CUDA_HANDLERS(JaxMoeCudaCombineSend, CombineSendImpl,
                           .Ctx<ffi::DeviceOrdinal>()
                           .Attr<int64_t>("comm_id")
                           .Attr<int64_t>("channel")
+                          .Attr<int64_t>("mode")
                           .Arg<ffi::AnyBuffer>()
                           .Arg<ffi::Buffer<ffi::S32>>()
                           .Ret<ffi::Buffer<ffi::S32>>());
@@ -272,6 +304,7 @@ JAX_MOE_CUDA_HANDLERS(JaxMoeCudaCombineRecv, CombineRecvImpl,
                           .Ctx<ffi::DeviceOrdinal>()
                           .Attr<int64_t>("comm_id")
                           .Attr<int64_t>("channel")
+                          .Attr<int64_t>("mode")
                           .Arg<ffi::Buffer<ffi::S32>>()
                           .Arg<ffi::Buffer<ffi::F32>>()
                           .Arg<ffi::Buffer<ffi::S32>>()
