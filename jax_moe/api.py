@@ -37,24 +37,40 @@ def dispatch_send(comm: "Communicator", x: jax.Array, topk_idx: jax.Array, x_sca
 
     topk_weights [T, R] (floating, optional): the router weights, sent along so that combine can sum a token's rows
     on each expert rank; combine then needs no weights."""
+    return _dispatch_send(comm, x, topk_idx, x_scale, topk_weights, one_shot=False)[0]
+
+
+def _dispatch_send(comm: "Communicator", x: jax.Array, topk_idx: jax.Array, x_scale: Optional[jax.Array],
+                   topk_weights: Optional[jax.Array], one_shot: bool) -> tuple[DispatchHandle, bool]:
+    """(handle, deferred). one_shot (`dispatch`): the backend may defer the send, so that its receive runs both halves
+    as one call (no gap between two custom calls); a deferred round is never open between two calls."""
     validate.check_dispatch(comm, "dispatch_send", x, topk_idx, x_scale)
     if topk_weights is not None:
         validate.check_weights(comm, "dispatch_send", topk_weights, topk_idx)
     scale = None if x_scale is None else jax.lax.stop_gradient(x_scale)
     weights = None if topk_weights is None else jax.lax.stop_gradient(topk_weights)
     rounds.check_open(comm, "dispatch", "dispatch_send")
-    handle = comm.backend.dispatch_send(jax.lax.stop_gradient(x), scale, topk_idx, topk_weights=weights)
-    rounds.opened(comm, "dispatch", handle, "dispatch_send")
-    return DispatchHandle(x, x_scale, topk_idx, handle, comm.id, topk_weights)
+    args = (jax.lax.stop_gradient(x), scale, topk_idx)
+    handle = comm.backend.defer_dispatch(*args, topk_weights=weights) if one_shot else None
+    deferred = handle is not None
+    if not deferred:
+        handle = comm.backend.dispatch_send(*args, topk_weights=weights)
+        rounds.opened(comm, "dispatch", handle, "dispatch_send")
+    return DispatchHandle(x, x_scale, topk_idx, handle, comm.id, topk_weights), deferred
 
 
 def dispatch_recv(comm: "Communicator", handle: DispatchHandle) -> Dispatched:
     """Finish the dispatch started by dispatch_send."""
+    return _dispatch_receive(comm, handle, deferred=False)
+
+
+def _dispatch_receive(comm: "Communicator", handle: DispatchHandle, deferred: bool) -> Dispatched:
     validate.check_axis(comm, "dispatch_recv")
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"jax_moe.dispatch_recv: expected the handle from dispatch_send, got {type(handle).__name__}")
     validate.check_comm(comm, "dispatch_recv", handle._comm_id, "handle")
-    rounds.closed(comm, "dispatch", handle._handle, "dispatch_recv")
+    if not deferred:
+        rounds.closed(comm, "dispatch", handle._handle, "dispatch_recv")
     expert_x, expert_x_scale, counts, route = _dispatch_recv(comm, handle._x, handle._x_scale, handle._topk_idx,
                                                              handle._handle)
     return Dispatched(expert_x, expert_x_scale, counts, handle._topk_idx, route, comm.id, handle._topk_weights)
@@ -63,7 +79,8 @@ def dispatch_recv(comm: "Communicator", handle: DispatchHandle) -> Dispatched:
 def dispatch(comm: "Communicator", x: jax.Array, topk_idx: jax.Array, x_scale: Optional[jax.Array] = None,
              topk_weights: Optional[jax.Array] = None) -> Dispatched:
     """Send every token to its experts' ranks: see Dispatched for the layout (topk_weights: see dispatch_send)."""
-    return dispatch_recv(comm, dispatch_send(comm, x, topk_idx, x_scale, topk_weights))
+    handle, deferred = _dispatch_send(comm, x, topk_idx, x_scale, topk_weights, one_shot=True)
+    return _dispatch_receive(comm, handle, deferred)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -94,17 +111,23 @@ _dispatch_recv.defvjp(_dispatch_recv_fwd, _dispatch_recv_bwd)
 def combine_send(comm: "Communicator", expert_y: jax.Array, d: Dispatched) -> CombineHandle:
     """Start returning expert outputs (layout of d.expert_x, combine_dtype) to the tokens' owners. If dispatch was
     given topk_weights, the expert ranks may sum a token's rows with them: combine_recv then uses those weights."""
-    return _combine_send(comm, expert_y, d, per_entry=False)
+    return _combine_send(comm, expert_y, d, per_entry=False, one_shot=False)[0]
 
 
-def _combine_send(comm: "Communicator", expert_y: jax.Array, d: Dispatched, per_entry: bool) -> CombineHandle:
-    """per_entry: one row per (token, k) even if d carries weights (combine was given other weights)."""
+def _combine_send(comm: "Communicator", expert_y: jax.Array, d: Dispatched, per_entry: bool,
+                  one_shot: bool) -> tuple[CombineHandle, bool]:
+    """(handle, deferred). per_entry: one row per (token, k) even if d carries weights (combine was given other
+    weights). one_shot: the backend may defer the send to the receive, as _dispatch_send."""
     validate.check_expert_y(comm, "combine_send", expert_y, d)
     reduced = d._topk_weights is not None and not per_entry
     rounds.check_open(comm, "combine", "combine_send")
-    handle = comm.backend.combine_send(jax.lax.stop_gradient(expert_y), d._route, d._topk_idx, reduced=reduced)
-    rounds.opened(comm, "combine", handle, "combine_send")
-    return CombineHandle(expert_y, d, handle, comm.id, reduced)
+    args = (jax.lax.stop_gradient(expert_y), d._route, d._topk_idx)
+    handle = comm.backend.defer_combine(*args, reduced=reduced) if one_shot else None
+    deferred = handle is not None
+    if not deferred:
+        handle = comm.backend.combine_send(*args, reduced=reduced)
+        rounds.opened(comm, "combine", handle, "combine_send")
+    return CombineHandle(expert_y, d, handle, comm.id, reduced), deferred
 
 
 def combine_recv(comm: "Communicator", handle: CombineHandle,
@@ -112,6 +135,11 @@ def combine_recv(comm: "Communicator", handle: CombineHandle,
     """Finish the combine: out[t] = sum_k w[t, k] * y[row of (t, k)] over unmasked k, float32 sum, combine_dtype.
 
     w: the topk_weights given to dispatch if it had any (then pass None here, or those same weights), else these."""
+    return _combine_receive(comm, handle, topk_weights, deferred=False)
+
+
+def _combine_receive(comm: "Communicator", handle: CombineHandle, topk_weights: Optional[jax.Array],
+                     deferred: bool) -> jax.Array:
     validate.check_axis(comm, "combine_recv")
     if not isinstance(handle, CombineHandle):
         raise TypeError(f"jax_moe.combine_recv: expected the handle from combine_send, got {type(handle).__name__}")
@@ -121,7 +149,8 @@ def combine_recv(comm: "Communicator", handle: CombineHandle,
     # d's weights when reduced: the user's array, so that gradients reach what was given to dispatch.
     w = d._topk_weights if handle._reduced else topk_weights
     validate.check_weights(comm, "combine_recv", w, d._topk_idx)
-    rounds.closed(comm, "combine", handle._handle, "combine_recv")
+    if not deferred:
+        rounds.closed(comm, "combine", handle._handle, "combine_recv")
     return _combine_recv(comm, handle._expert_y, w, d._topk_idx, d._route, handle._handle)
 
 
@@ -133,7 +162,8 @@ def combine(comm: "Communicator", expert_y: jax.Array, topk_weights: Optional[ja
     if d is None:
         raise TypeError("jax_moe.combine: d (the Dispatched returned by dispatch) is required")
     other = topk_weights is not None and topk_weights is not getattr(d, "_topk_weights", None)
-    return combine_recv(comm, _combine_send(comm, expert_y, d, per_entry=other), topk_weights)
+    handle, deferred = _combine_send(comm, expert_y, d, per_entry=other, one_shot=True)
+    return _combine_receive(comm, handle, topk_weights, deferred)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -33,6 +33,10 @@ class MoEConfig:
     max_tokens: the most tokens one rank dispatches in one call (buffers are sized for it).
     dispatch_dtype: bfloat16, or float8_e4m3fn with one float32 scale per `scale_block` channels.
     combine_dtype: bfloat16 (the expert outputs; the weighted sum is accumulated in float32).
+    zero_padding: write zeros into the padding rows of `Dispatched.expert_x` (rows at or after sum(expert_counts)).
+      By default they are unspecified (backend "cuda" leaves whatever its output buffer held, possibly NaN): masked
+      computations (jax.lax.ragged_dot, `jnp.where(d.valid_rows()[:, None], ...)`) never see them. Set it for an
+      expert that reads every row unmasked and reduces over rows in its gradient (a NaN times a zero cotangent is NaN).
     """
 
     num_experts: int
@@ -42,6 +46,7 @@ class MoEConfig:
     dispatch_dtype: Any = jnp.bfloat16
     combine_dtype: Any = jnp.bfloat16
     scale_block: int = 128
+    zero_padding: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "experts_per_token", "hidden", "max_tokens", "scale_block"):

@@ -5,6 +5,8 @@ layout of `Dispatched.expert_x`, which the contract fixes (not the backend).
 """
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -21,6 +23,12 @@ def sanitize_topk(topk_idx: jax.Array, num_experts: int) -> jax.Array:
 def valid_entries(topk_idx: jax.Array, num_experts: int) -> jax.Array:
     """[T, R] bool: the (token, k) entries that move a row (in range, first occurrence of their expert)."""
     return sanitize_topk(topk_idx, num_experts) >= 0
+
+
+def poison_padding() -> bool:
+    """JAX_MOE_POISON_PADDING=1 (read at trace time; for tests): backends fill expert_x's padding rows with NaN unless
+    MoEConfig.zero_padding, so a test shows that nothing downstream reads them."""
+    return os.environ.get("JAX_MOE_POISON_PADDING", "0") == "1"
 
 
 def rows_per_peer(max_tokens: int, experts_per_token: int, local_experts: int) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 from jax.tree_util import register_pytree_node_class
 
 
@@ -17,7 +18,8 @@ class Dispatched:
     """Tokens as the experts of this rank see them.
 
     expert_x: [max_recv_rows, hidden] in dispatch_dtype. Rows are grouped by local expert (expert order), inside an
-      expert by source rank, then source token index. Rows at or after sum(expert_counts) are padding.
+      expert by source rank, then source token index. Rows at or after sum(expert_counts) are padding, unspecified
+      (possibly NaN) unless MoEConfig.zero_padding: mask by expert_counts (jax.lax.ragged_dot does; `valid_rows()`).
     expert_x_scale: [max_recv_rows, hidden // scale_block] float32 for fp8 dispatch, else None.
     expert_counts: [num_local_experts] int32.
     """
@@ -41,6 +43,11 @@ class Dispatched:
     def tree_unflatten(cls, comm_id, children):
         *rest, topk_weights = children
         return cls(*rest, comm_id, topk_weights)
+
+    def valid_rows(self) -> jax.Array:
+        """[max_recv_rows] bool: the rows received (the others are padding). For experts that read every row: mask
+        their input with it (`jnp.where(d.valid_rows()[:, None], d.expert_x, 0)`) so no padding value reaches a sum."""
+        return jnp.arange(self.expert_x.shape[0]) < jnp.sum(self.expert_counts)
 
     def __repr__(self) -> str:
         return (f"Dispatched(expert_x={_shape(self.expert_x)}, expert_x_scale={_shape(self.expert_x_scale)}, "

@@ -114,13 +114,18 @@ def test_halves_trace_to_the_cuda_handlers(fake, monkeypatch, fp8):
     m, suffix = comm.max_recv_rows, "_graph" if fp8 else ""
 
     def body(x, s, idx, w):
+        d = comm.dispatch_recv(comm.dispatch_send(x, idx, x_scale=s if fp8 else None))
+        return comm.combine_recv(comm.combine_send(d.expert_x.astype(jnp.bfloat16), d), w)
+
+    def one_shot(x, s, idx, w):
         d = comm.dispatch(x, idx, x_scale=s if fp8 else None)
         return comm.combine(d.expert_x.astype(jnp.bfloat16), w, d)
 
-    f = jax.shard_map(body, mesh=comm.mesh, in_specs=(P("ep"),) * 4, out_specs=P("ep"))
     args = specs(comm, ((n * t, 128), cfg.dispatch_dtype), ((n * t, 1), jnp.float32), ((n * t, 2), jnp.int32),
                  ((n * t, 2), jnp.float32))
-    calls = ffi_calls(jax.make_jaxpr(f)(*args).jaxpr)
+    trace = lambda fn: ffi_calls(jax.make_jaxpr(jax.shard_map(fn, mesh=comm.mesh, in_specs=(P("ep"),) * 4,
+                                                              out_specs=P("ep")))(*args).jaxpr)
+    calls = trace(body)
     assert [c["target"] for c in calls] == [f"jax_moe_cuda_{h}{suffix}" for h in
                                             ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")]
     assert all(c["comm_id"] == comm.id for c in calls)
@@ -129,6 +134,14 @@ def test_halves_trace_to_the_cuda_handlers(fake, monkeypatch, fp8):
     assert calls[1]["shapes"] == [(m, 128), (m, 1) if fp8 else (1, 1), (comm.num_local_experts,), (route,)]
     assert calls[2]["channel"] == 0 and calls[3]["channel"] == 0 and calls[3]["shapes"] == [(t, 128)]
     assert not calls[0]["has_weights"] and calls[2]["mode"] == 0 and calls[3]["mode"] == 0  # weights at combine
+    assert calls[1]["padding"] == 0  # padding rows are not written
+    # The one-shot calls run both halves from one handler each (no gap between two custom calls).
+    fused = trace(one_shot)
+    assert [c["target"] for c in fused] == [f"jax_moe_cuda_{h}{suffix}" for h in ("dispatch", "combine")]
+    assert fused[0]["shapes"] == [(4,)] + calls[1]["shapes"] and fused[1]["shapes"] == [(4,), (t, 128)]
+    assert fused[1]["mode"] == 0 and fused[0]["has_scale"] == fp8
+    monkeypatch.setenv("JAX_MOE_CUDA_FUSE_ONE_SHOT", "0")
+    assert [c["target"] for c in trace(one_shot)] == [c["target"] for c in calls]
 
 
 def test_weights_at_dispatch_trace_the_summed_combine(fake):
@@ -143,7 +156,7 @@ def test_weights_at_dispatch_trace_the_summed_combine(fake):
     f = jax.grad(jax.shard_map(loss, mesh=comm.mesh, in_specs=(P("ep"),) * 3, out_specs=P()), argnums=(0, 2))
     args = specs(comm, ((8, 128), jnp.bfloat16), ((8, 2), jnp.int32), ((8, 2), jnp.float32))
     calls = ffi_calls(jax.make_jaxpr(f)(*args).jaxpr)
-    sends = [c for c in calls if c["target"].startswith("jax_moe_cuda_dispatch_send")]
+    sends = [c for c in calls if c["target"].startswith("jax_moe_cuda_dispatch")]
     combines = [(c["channel"], c["mode"]) for c in calls if c["target"].startswith("jax_moe_cuda_combine")]
     assert sends and all(c["has_weights"] for c in sends)
     assert (0, 1) in combines and (1, 2) in combines and (0, 0) not in combines, combines
@@ -160,8 +173,8 @@ def test_gradients_trace_dispatch_backward_on_channel_1(fake):
     args = specs(comm, ((8, 128), jnp.bfloat16), ((8, 2), jnp.int32), ((8, 2), jnp.float32))
     calls = ffi_calls(jax.make_jaxpr(f)(*args).jaxpr)
     channels = [(c["target"].removeprefix("jax_moe_cuda_"), c.get("channel")) for c in calls]
-    assert ("combine_send", 1) in channels and ("combine_recv", 1) in channels
-    assert channels.count(("combine_send", 0)) == 1  # the forward's; combine's backward runs the reference maps
+    assert ("combine", 1) in channels  # both halves in one call, as the one-shot forward's
+    assert channels.count(("combine", 0)) == 1  # the forward's; combine's backward runs the reference maps
 
 
 def test_cuda_peers_from_the_exchange(monkeypatch):

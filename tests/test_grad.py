@@ -57,3 +57,62 @@ def test_fp8_dispatch_is_not_differentiable(rng):
     idx = jax.device_put(random_routing(rng, n, t, r, e), NamedSharding(comm.mesh, P("ep")))
     with pytest.raises(NotImplementedError, match="bfloat16"):
         jax.jit(jax.grad(f))(x, idx)
+
+
+POISONED = [b for b in BACKENDS if getattr(b, "values", (b,))[0] != "cpu"]  # "cpu" writes zeros whatever the flag
+
+
+@pytest.mark.parametrize("backend", POISONED)
+def test_padding_rows_never_reach_the_gradients(rng, backend, monkeypatch):
+    """The padding rows of expert_x are unspecified; JAX_MOE_POISON_PADDING=1 makes them NaN. An expert that masks
+    its input by the counts (support.grads, as ragged_dot does) gets the dense reference's gradients, and the same
+    expert unmasked shows that the NaN really is there (a NaN times a zero cotangent is NaN)."""
+    monkeypatch.setenv("JAX_MOE_POISON_PADDING", "1")
+    n, e, r, hidden, t = ranks_for(backend, 4), 8, 3, 64, 6
+    comm = jax_moe.Communicator(jax_moe.MoEConfig(e, r, hidden, t), backend_mesh(backend, n), "ep", backend=backend)
+    problem = grad_problem(rng, n, t, r, e, hidden)
+    sh = NamedSharding(comm.mesh, P("ep"))
+    args = [jax.device_put(v, sh) for v in problem]
+    got = moe_loss_fn(comm, split_halves=False, weights_at_dispatch=True)(*args)
+    check_grads(got, problem, e)
+
+    def unmasked(x, idx, w, a):
+        d = comm.dispatch(x, idx)
+        y = (d.expert_x.astype(jnp.float32) * a[0]).astype(jnp.bfloat16)
+        return jax.lax.psum(jnp.sum(comm.combine(y, w, d).astype(jnp.float32)), "ep")
+
+    f = jax.shard_map(unmasked, mesh=comm.mesh, in_specs=(P("ep"),) * 4, out_specs=P())
+    g_a = jax.jit(jax.grad(f, argnums=3))(*args[:4])
+    assert np.isnan(np.asarray(g_a)).any(), "the poisoned padding did not show: the test would not see a leak"
+
+
+@pytest.mark.parametrize("backend", POISONED)
+def test_zero_padding_writes_zeros(rng, backend, monkeypatch):
+    """MoEConfig(zero_padding=True): the padding rows are zeros (for experts that read every row unmasked)."""
+    monkeypatch.setenv("JAX_MOE_POISON_PADDING", "1")
+    n, e, r, hidden, t = ranks_for(backend, 4), 8, 2, 128, 5
+    for fp8 in (False, True):
+        cfg = jax_moe.MoEConfig(e, r, hidden, t, dispatch_dtype=jnp.float8_e4m3fn if fp8 else jnp.bfloat16,
+                                zero_padding=True)
+        comm = jax_moe.Communicator(cfg, backend_mesh(backend, n), "ep", backend=backend)
+        x = rng.standard_normal((n * t, hidden)).astype(np.float32)
+        xq, scale = (jax_moe.quantize_fp8(jnp.asarray(x)) if fp8 else (x.astype(jnp.bfloat16), None))
+        idx = random_routing(rng, n, t, r, e, mask=0.5)
+        mesh = comm.mesh
+
+        def body(x, idx, *scale):
+            d = comm.dispatch(x, idx, x_scale=scale[0] if scale else None)
+            s = d.expert_x_scale if d.expert_x_scale is not None else jnp.zeros((1, 1), jnp.float32)
+            return d.expert_x.astype(jnp.float32), s, d.expert_counts
+
+        args = (xq, idx) + ((scale,) if fp8 else ())
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * len(args), out_specs=P("ep")))
+        ex, sc, counts = (np.asarray(v) for v in f(*[jax.device_put(np.asarray(a), NamedSharding(mesh, P("ep")))
+                                                    for a in args]))
+        m = comm.max_recv_rows
+        for q in range(n):
+            total = int(counts.reshape(n, -1)[q].sum())
+            assert total < m
+            assert (ex.reshape(n, m, -1)[q][total:] == 0).all(), f"padding of rank {q} (fp8={fp8})"
+            if fp8:
+                assert (sc.reshape(n, m, -1)[q][total:] == 0).all(), f"scales of rank {q}"

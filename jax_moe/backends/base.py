@@ -52,6 +52,17 @@ class Backend(abc.ABC):
     def combine_recv(self, handle: Any, topk_weights: jax.Array, topk_idx: jax.Array) -> jax.Array:
         """Finish the combine: [T, hidden] combine_dtype, the float32-accumulated weighted sum."""
 
+    # --- one-shot calls ---------------------------------------------------------------------------------------------
+    def defer_dispatch(self, x: jax.Array, x_scale: Optional[jax.Array], topk_idx: jax.Array,
+                       topk_weights: Optional[jax.Array] = None) -> Any:
+        """For `dispatch` (both halves at once): a handle that issues nothing yet, so that dispatch_recv runs both
+        halves as one call; None (the default): the halves are called one after the other."""
+        return None
+
+    def defer_combine(self, expert_y: jax.Array, route: Any, topk_idx: jax.Array, reduced: bool = False) -> Any:
+        """For `combine`: as defer_dispatch, for combine_recv."""
+        return None
+
     # --- gradients ------------------------------------------------------------------------------------------------
     def dispatch_transpose(self, g_expert_x: jax.Array, route: Any, topk_idx: jax.Array) -> jax.Array:
         """The backward of dispatch: g_x[t] = sum over sent k of g_expert_x[row of (t, k)] ([T, hidden], float32 sum,

@@ -27,12 +27,13 @@ import numpy as np
 
 from jax_moe.backends import bootstrap
 from jax_moe.backends.native import NativeBackend
-from jax_moe.contract import valid_entries
+from jax_moe.contract import poison_padding, valid_entries
 
 _PEER_SELF, _PEER_LOCAL, _PEER_IPC, _PEER_REMOTE = 0, 1, 2, 3  # peer kinds of _core.cuda.connect
 # How combine_send returns rows (kernels/moe_layout.h CombineMode): one per (t, k) entry; or per (token, rank), summed
 # at the expert rank with the weights dispatch carried, or with unit weights (dispatch's transpose).
 _PER_ENTRY, _WEIGHTED, _UNIT = 0, 1, 2
+_PAD_LEAVE, _PAD_ZERO, _PAD_POISON = 0, 1, 2  # what dispatch_recv writes into expert_x's padding rows (Padding)
 
 
 def command_buffers() -> bool:
@@ -40,6 +41,13 @@ def command_buffers() -> bool:
     into CUDA graphs with their neighbours (fewer launch gaps). Their device errors (a peer timed out, an expert id
     out of range) are then not raised by the next call: read them with `comm.errors()`."""
     return os.environ.get("JAX_MOE_CUDA_COMMAND_BUFFERS", "0") == "1"
+
+
+def fuse_one_shot() -> bool:
+    """`comm.dispatch` / `comm.combine` run both halves from one custom call (their kernels back to back on the stream,
+    without the ~4 us XLA leaves between two calls). JAX_MOE_CUDA_FUSE_ONE_SHOT=0 (read at trace time) calls the
+    halves one after the other instead (for comparisons)."""
+    return os.environ.get("JAX_MOE_CUDA_FUSE_ONE_SHOT", "1") != "0"
 
 
 def buffer_bytes(cfg: Any, num_ranks: int) -> int:
@@ -61,10 +69,12 @@ def timestamp(a: jax.Array, dep: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 class CudaDispatchHandle(NamedTuple):
-    ticket: jax.Array  # int32 [4], written by the send kernel; orders dispatch_recv after it
+    ticket: Optional[jax.Array]  # int32 [4], written by the send kernel; orders dispatch_recv after it. None: a
+    # deferred one-shot dispatch (defer_dispatch): dispatch_recv runs both halves as one call
     x: jax.Array  # the send's inputs: dispatch_recv reads this rank's own tokens from them (they are not copied)
     x_scale: jax.Array
     topk_weights: Optional[jax.Array]  # float32 [T, R] when given to dispatch_send (they travel with the tokens)
+    topk_idx: Optional[jax.Array] = None  # int32 [T, R]: a deferred dispatch's routing
 
 
 class CudaRoute(NamedTuple):
@@ -74,14 +84,15 @@ class CudaRoute(NamedTuple):
     origin: jax.Array
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["ticket", "expert_y"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["ticket", "expert_y", "route"],
                    meta_fields=["channel", "mode"])
 @dataclasses.dataclass(frozen=True)
 class CudaCombineHandle:
-    ticket: jax.Array
+    ticket: Optional[jax.Array]  # None: a deferred one-shot combine (defer_combine), both halves from combine_recv
     expert_y: jax.Array  # combine_send's input: combine_recv reads this rank's own rows from it
     channel: int  # static (pytree metadata): 0 forward, 1 inside dispatch's gradient (see dispatch_transpose)
     mode: int = _PER_ENTRY  # static: how combine_send returned the rows (_PER_ENTRY, _WEIGHTED, _UNIT)
+    route: Optional[jax.Array] = None  # a deferred combine's route (CudaRoute.origin)
 
 
 class CudaBackend(NativeBackend):
@@ -226,6 +237,13 @@ class CudaBackend(NativeBackend):
                             has_scale=x_scale is not None, has_weights=w is not None)
         return CudaDispatchHandle(ticket, x, scale, w)
 
+    def defer_dispatch(self, x, x_scale, topk_idx, topk_weights=None) -> Optional[CudaDispatchHandle]:
+        if not fuse_one_shot():
+            return None
+        scale = x_scale if x_scale is not None else jnp.zeros((1, 1), jnp.float32)
+        w = topk_weights.astype(jnp.float32) if topk_weights is not None else None
+        return CudaDispatchHandle(None, x, scale, w, topk_idx.astype(jnp.int32))
+
     def dispatch_recv(self, handle: CudaDispatchHandle):
         cfg, m = self.cfg, self.comm.max_recv_rows
         fp8 = cfg.num_scales > 0
@@ -235,10 +253,20 @@ class CudaBackend(NativeBackend):
                    jax.ShapeDtypeStruct((self.comm.num_local_experts,), jnp.int32),
                    jax.ShapeDtypeStruct((m + 2 + cfg.num_experts + 2 * table,), jnp.int32))
         w = handle.topk_weights
-        x, scale, counts, origin = self._call("dispatch_recv", results, handle.ticket, handle.x, handle.x_scale,
-                                              w if w is not None else jnp.zeros((1, 1), jnp.float32),
-                                              has_scale=fp8, has_weights=w is not None)
+        w_arg = w if w is not None else jnp.zeros((1, 1), jnp.float32)
+        attrs = dict(has_scale=fp8, has_weights=w is not None, padding=np.int64(self._padding()))
+        if handle.ticket is None:  # deferred: both halves in one call
+            _, x, scale, counts, origin = self._call("dispatch", (jax.ShapeDtypeStruct((4,), jnp.int32),) + results,
+                                                     handle.x, handle.x_scale, w_arg, handle.topk_idx, **attrs)
+        else:
+            x, scale, counts, origin = self._call("dispatch_recv", results, handle.ticket, handle.x, handle.x_scale,
+                                                  w_arg, **attrs)
         return x, (scale if fp8 else None), counts, CudaRoute(origin)
+
+    def _padding(self) -> int:
+        if self.cfg.zero_padding:
+            return _PAD_ZERO
+        return _PAD_POISON if poison_padding() else _PAD_LEAVE
 
     def combine_send(self, expert_y, route, topk_idx, reduced: bool = False, channel: int = 0,
                      mode: Optional[int] = None) -> CudaCombineHandle:
@@ -253,11 +281,22 @@ class CudaBackend(NativeBackend):
                             channel=np.int64(channel), mode=np.int64(mode))
         return CudaCombineHandle(ticket, expert_y, channel, mode)
 
+    def defer_combine(self, expert_y, route, topk_idx, reduced: bool = False) -> Optional[CudaCombineHandle]:
+        if not fuse_one_shot():
+            return None
+        if not isinstance(route, CudaRoute):
+            raise TypeError("backend 'cuda': combine needs the Dispatched of this backend's dispatch")
+        return CudaCombineHandle(None, expert_y.astype(self.cfg.combine_dtype), 0, _WEIGHTED if reduced else _PER_ENTRY,
+                                 route.origin)
+
     def combine_recv(self, handle: CudaCombineHandle, topk_weights, topk_idx):
         out = jax.ShapeDtypeStruct((topk_idx.shape[0], self.cfg.hidden), self.cfg.combine_dtype)
-        return self._call("combine_recv", out, handle.ticket, topk_weights.astype(jnp.float32),
-                          topk_idx.astype(jnp.int32), handle.expert_y, channel=np.int64(handle.channel),
-                          mode=np.int64(handle.mode))
+        w, idx = topk_weights.astype(jnp.float32), topk_idx.astype(jnp.int32)
+        attrs = dict(channel=np.int64(handle.channel), mode=np.int64(handle.mode))
+        if handle.ticket is None:  # deferred: both halves in one call
+            return self._call("combine", (jax.ShapeDtypeStruct((4,), jnp.int32), out), handle.expert_y, handle.route,
+                              w, idx, **attrs)[1]
+        return self._call("combine_recv", out, handle.ticket, w, idx, handle.expert_y, **attrs)
 
     def dispatch_transpose(self, g_expert_x, route, topk_idx):
         # Channel 1: its own area, flags and epochs. XLA may run the forward combine_recv (whose output only feeds
@@ -268,8 +307,11 @@ class CudaBackend(NativeBackend):
             y = self.reference.combine_entries(g_expert_x, None, topk_idx).astype(jnp.float32)
             return jnp.einsum("trh,tr->th", y, w, precision=jax.lax.Precision.HIGHEST).astype(self.cfg.combine_dtype)
         # Unit weights need nothing from dispatch: a token's rows are summed at the expert rank (one row per rank).
-        return self.combine_recv(self.combine_send(g_expert_x, route, topk_idx, channel=1, mode=_UNIT), ones,
-                                 topk_idx)
+        if fuse_one_shot():  # both halves from one call
+            handle = CudaCombineHandle(None, g_expert_x.astype(self.cfg.combine_dtype), 1, _UNIT, route.origin)
+        else:
+            handle = self.combine_send(g_expert_x, route, topk_idx, channel=1, mode=_UNIT)
+        return self.combine_recv(handle, ones, topk_idx)
 
     # --- diagnostics ----------------------------------------------------------------------------------------------
     def read_trace(self) -> dict[int, np.ndarray]:

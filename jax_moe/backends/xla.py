@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jax_moe import payload
 from jax_moe.backends.base import Backend
-from jax_moe.contract import sanitize_topk
+from jax_moe.contract import poison_padding, sanitize_topk
 
 
 class XlaRoute(NamedTuple):
@@ -120,7 +120,12 @@ class XlaBackend(Backend):
         dest = self._dest(handle.recv_counts)
         placed = self._place(handle.recv, dest)
         x, scale = payload.unpack_rows(placed, self.cfg.dispatch_dtype, self.cfg.hidden, self.cfg.num_scales)
-        return x, scale, handle.recv_counts.sum(axis=0), XlaRoute(handle.position, dest)
+        counts = handle.recv_counts.sum(axis=0)
+        if poison_padding() and not self.cfg.zero_padding:  # padding is unspecified: tests fill it with NaN
+            pad = (jnp.arange(x.shape[0]) >= jnp.sum(counts))[:, None]
+            x = jnp.where(pad, jnp.asarray(jnp.nan, x.dtype), x)
+            scale = None if scale is None else jnp.where(pad, jnp.nan, scale)
+        return x, scale, counts, XlaRoute(handle.position, dest)
 
     def combine_send(self, expert_y, route: XlaRoute, topk_idx, reduced: bool = False) -> XlaCombineHandle:
         bits = jax.lax.bitcast_convert_type(expert_y, jnp.uint16)

@@ -200,19 +200,25 @@ def _api_iteration(comm, stamp, x, xs, idx, w, dep, split=True, weights_at_dispa
     weights_at_dispatch: the router weights go with dispatch (the expert ranks may sum a token's rows), else to
     combine (rows per (t, k)).
 
-    split=False leaves out the stamps between the halves (their slots repeat the one before): then the totals are
-    what a caller sees from the one-shot calls, without the cost of an extra custom call in the middle."""
+    split=False calls the one-shot `comm.dispatch` and `comm.combine` with no stamps between the halves (their slots
+    repeat the one before): the totals are what a caller of those sees ("cuda" runs each as one custom call)."""
     x, t0 = stamp(x, dep)
-    h = comm.dispatch_send(x, idx, x_scale=xs, topk_weights=w if weights_at_dispatch else None)
-    handle, t1 = _stamp_tree(h._handle, stamp) if split else (h._handle, t0)
+    wd, wc = (w, None) if weights_at_dispatch else (None, w)
+    if not split:
+        d = comm.dispatch(x, idx, x_scale=xs, topk_weights=wd)
+        ex, t2 = stamp(d.expert_x, d.expert_counts)
+        y, t3 = stamp(ex.astype(comm.cfg.combine_dtype), ex)  # the experts' stand-in: fp8 -> bf16, not timed
+        out, t5 = stamp(comm.combine(y, wc, d), y)
+        return out, jnp.concatenate([t0, t0, t2, t3, t3, t5])
+    h = comm.dispatch_send(x, idx, x_scale=xs, topk_weights=wd)
+    handle, t1 = _stamp_tree(h._handle, stamp)
     d = comm.dispatch_recv(DispatchHandle(h._x, h._x_scale, h._topk_idx, handle, h._comm_id, h._topk_weights))
     ex, t2 = stamp(d.expert_x, d.expert_counts)
     y = ex.astype(comm.cfg.combine_dtype)  # the experts' stand-in: fp8 -> bf16, not timed
     y, t3 = stamp(y, y)
     c = comm.combine_send(y, d)
-    chandle, t4 = _stamp_tree(c._handle, stamp) if split else (c._handle, t3)
-    out = comm.combine_recv(CombineHandle(c._expert_y, c._dispatched, chandle, c._comm_id, c._reduced),
-                            None if weights_at_dispatch else w)
+    chandle, t4 = _stamp_tree(c._handle, stamp)
+    out = comm.combine_recv(CombineHandle(c._expert_y, c._dispatched, chandle, c._comm_id, c._reduced), wc)
     out, t5 = stamp(out, out)
     return out, jnp.concatenate([t0, t1, t2, t3, t4, t5])
 

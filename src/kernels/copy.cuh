@@ -30,11 +30,11 @@ __device__ __forceinline__ void WarpCopy16(void* dst, const void* src, int bytes
 constexpr int kChunkBytes = 4096;
 __host__ __device__ inline int ChunksOf(int bytes) { return (bytes + kChunkBytes - 1) / kChunkBytes; }
 
-// Zeroes `bytes` (multiple of 16) with the 32 lanes of a warp.
-__device__ __forceinline__ void WarpZero16(void* dst, int bytes, int lane) {
+// Fills `bytes` (multiple of 16) with the 32-bit word `word`, with the 32 lanes of a warp.
+__device__ __forceinline__ void WarpFill16(void* dst, int bytes, int word, int lane) {
   int4* d = static_cast<int4*>(dst);
-  const int4 zero = make_int4(0, 0, 0, 0);
-  for (int i = lane; i < (bytes >> 4); i += 32) d[i] = zero;
+  const int4 v = make_int4(word, word, word, word);
+  for (int i = lane; i < (bytes >> 4); i += 32) d[i] = v;
 }
 
 // Copies `bytes` (multiple of 4) with 4-byte words: the scale rows (56 floats for hidden 7168).

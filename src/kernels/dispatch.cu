@@ -164,12 +164,14 @@ __device__ void FillRouteTable(const KernelArgs& a, const int* start, const int*
 
 // dispatch_recv. Every block waits for the senders, then lays out the contract order in shared memory: block
 // f = e * n + s (local expert e, sender s) starts at start[f]. One warp per expert_x row: rows below the total are
-// copied from the sender's token, the rest zeroed (the reference's padding is zeros; a stale NaN there would poison
-// `x * 0` downstream). Counts and list entries come from peers: anything out of range is dropped, never followed,
-// and reported (kBadPeerData).
+// copied from the sender's token. The padding rows after them are left as they are (kPadLeave: the contract leaves
+// them unspecified, and writing them was half of this kernel's HBM traffic at decode), zeroed (kPadZero:
+// MoEConfig.zero_padding) or filled with NaN (kPadPoison, tests). Rows below the total whose entry is bad are zeroed.
+// Counts and list entries come from peers: anything out of range is dropped, never followed, and reported
+// (kBadPeerData).
 __global__ void __launch_bounds__(kThreads)
-    DispatchRecvKernel(KernelArgs a, const uint8_t* x, const uint8_t* xs, const float* w, int x_tokens, uint8_t* ox,
-                       uint8_t* os, int32_t* ocounts, int32_t* route) {
+    DispatchRecvKernel(KernelArgs a, int padding, const uint8_t* x, const uint8_t* xs, const float* w, int x_tokens,
+                       uint8_t* ox, uint8_t* os, int32_t* ocounts, int32_t* route) {
   extern __shared__ int smem[];
   const MoeShape& s = a.s;
   const int n = s.num_ranks, l = s.local_experts, blocks = s.num_experts;
@@ -242,7 +244,7 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t* list = reinterpret_cast<const int32_t*>(a.base + a.lay.list);
   const uint8_t* toks = a.base + a.lay.tokens;
   FillRouteTable(a, start, ok, list, toks, w, x_tokens, tab, route);
-  const long long entries = s.entries(), rows = s.max_recv_rows();
+  const long long entries = s.entries(), rows = padding == kPadLeave ? total : s.max_recv_rows();
   // Warp w takes rows w, w + W, w + 2W, ... (W warps in the grid), 32 at a time: lane j first finds the source of
   // the j-th (one list load each, all in flight together), then the warp copies or zeroes the 32 rows in turn.
   const long long warps = static_cast<long long>(gridDim.x) * kWarps;
@@ -276,9 +278,10 @@ __global__ void __launch_bounds__(kThreads)
       const int32_t tk = __shfl_sync(0xffffffffu, my_tk, j);
       const int q = __shfl_sync(0xffffffffu, my_q, j);
       if (tk < 0) {
-        WarpZero16(ox + i * s.x_bytes(), s.x_bytes(), lane);
+        const int fill = i >= total && padding == kPadPoison ? -1 : 0;  // all ones: NaN in bf16, fp8 e4m3 and f32
+        WarpFill16(ox + i * s.x_bytes(), s.x_bytes(), fill, lane);
         if (os)
-          for (int v = lane; v < (s.scale_bytes() >> 2); v += 32) reinterpret_cast<int*>(os + i * s.scale_bytes())[v] = 0;
+          for (int v = lane; v < (s.scale_bytes() >> 2); v += 32) reinterpret_cast<int*>(os + i * s.scale_bytes())[v] = fill;
         if (lane == 0 && i < total) route[i] = -1;
         continue;
       }
@@ -321,7 +324,7 @@ cudaError_t LaunchDispatchSend(const KernelArgs& a, int tokens, const void* x, c
   return cudaGetLastError();
 }
 
-cudaError_t LaunchDispatchRecv(const KernelArgs& a, const void* x, const void* x_scale, const float* topk_weights,
+cudaError_t LaunchDispatchRecv(const KernelArgs& a, int padding, const void* x, const void* x_scale, const float* topk_weights,
                                int x_tokens, void* expert_x, void* expert_x_scale, int32_t* counts, int32_t* route,
                                cudaStream_t stream) {
   const size_t smem = sizeof(int) * (a.s.num_experts + 1 + a.s.num_ranks + 32 + a.s.num_experts + a.s.num_ranks +
@@ -334,7 +337,7 @@ cudaError_t LaunchDispatchRecv(const KernelArgs& a, const void* x, const void* x
   // A warp per expert_x row: the received ones are copied, the padding zeroed.
   const int grid = GridFor(a.s.max_recv_rows(), kWarps * 2, a.num_sms);
   DispatchRecvKernel<<<grid, kThreads, smem, stream>>>(
-      a, static_cast<const uint8_t*>(x), static_cast<const uint8_t*>(x_scale), topk_weights, x_tokens,
+      a, padding, static_cast<const uint8_t*>(x), static_cast<const uint8_t*>(x_scale), topk_weights, x_tokens,
       static_cast<uint8_t*>(expert_x),
       static_cast<uint8_t*>(expert_x_scale), counts, route);
   return cudaGetLastError();

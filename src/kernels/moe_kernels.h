@@ -15,11 +15,12 @@ cudaError_t LaunchDispatchSend(const KernelArgs& a, int tokens, const void* x, c
                                const float* topk_weights, const int32_t* topk_idx, int32_t* ticket,
                                cudaStream_t stream);
 
-// Receive area -> expert_x [M, x_bytes] (rows after the received ones zeroed), expert_x_scale [M, scale_bytes] (or
+// Receive area -> expert_x [M, x_bytes], expert_x_scale [M, scale_bytes] (or
 // null), counts [L], route [RouteLength] (route[i] = source rank * max_tokens * R + t * R + k of row i; route[M] = rows
 // received; then the block offsets and the per-(sender, entry) row table, see RouteLength). x / x_scale /
 // topk_weights [x_tokens, ...] are this rank's dispatch_send inputs: its own tokens are read from them.
-cudaError_t LaunchDispatchRecv(const KernelArgs& a, const void* x, const void* x_scale, const float* topk_weights,
+// padding: Padding (what the rows after the received ones get).
+cudaError_t LaunchDispatchRecv(const KernelArgs& a, int padding, const void* x, const void* x_scale, const float* topk_weights,
                                int x_tokens, void* expert_x, void* expert_x_scale, int32_t* counts, int32_t* route,
                                cudaStream_t stream);
 

@@ -92,6 +92,10 @@ JAX_MOE_HD inline int RecordBytes(const MoeShape& s) {
 // transpose of dispatch). Ranks on other nodes always get kPerEntry rows (their regions hold (t, k) rows).
 enum CombineMode { kPerEntry = 0, kWeighted = 1, kUnit = 2 };
 
+// What dispatch_recv writes into expert_x's padding rows (at or after the rows received): nothing (the contract leaves
+// them unspecified), zeros (MoEConfig.zero_padding), or NaN (JAX_MOE_POISON_PADDING=1: tests prove nothing reads them).
+enum Padding { kPadLeave = 0, kPadZero = 1, kPadPoison = 2 };
+
 inline MoeLayout MakeLayout(const MoeShape& s) {
   MoeLayout m;
   size_t at = 0;

@@ -53,6 +53,10 @@ void RegisterCuda(nb::module_& m) {
     d["jax_moe_cuda_combine_send_graph"] = Capsule(JaxMoeCudaCombineSendGraph);
     d["jax_moe_cuda_combine_recv_graph"] = Capsule(JaxMoeCudaCombineRecvGraph);
     d["jax_moe_cuda_timestamp_graph"] = Capsule(JaxMoeCudaTimestampGraph);
+    d["jax_moe_cuda_dispatch"] = Capsule(JaxMoeCudaDispatch);
+    d["jax_moe_cuda_combine"] = Capsule(JaxMoeCudaCombine);
+    d["jax_moe_cuda_dispatch_graph"] = Capsule(JaxMoeCudaDispatchGraph);
+    d["jax_moe_cuda_combine_graph"] = Capsule(JaxMoeCudaCombineGraph);
     return d;
   });
   cuda.def(

@@ -29,7 +29,10 @@ def moe_loss_fn(comm, split_halves: bool, collective: bool = True, weights_at_di
         else:
             d = comm.dispatch(x, idx, topk_weights=wd)
         e = local_expert_of_rows(d.expert_counts, d.expert_x.shape[0])
-        y = (d.expert_x.astype(jnp.float32) * a[e] + b[e]).astype(jnp.bfloat16)
+        # Every row goes through the expert, so mask the padding (unspecified, possibly NaN) at the input: a NaN row
+        # times its zero cotangent would reach the gradients of a and b.
+        xe = jnp.where(d.valid_rows()[:, None], d.expert_x.astype(jnp.float32), 0.0)
+        y = (xe * a[e] + b[e]).astype(jnp.bfloat16)
         out = comm.combine_recv(comm.combine_send(y, d), wc) if split_halves else comm.combine(y, wc, d)
         part = jnp.sum(out.astype(jnp.float32) * g)
         return jax.lax.psum(part, axis) if collective else part[None]

@@ -88,7 +88,8 @@ def accumulation_program(comm: jax_moe.Communicator, micro: int):
         d = comm.dispatch(x, idx)
         l = comm.num_local_experts
         e = local_expert_of_rows(d.expert_counts, d.expert_x.shape[0]) + jax.lax.axis_index(axis) * l
-        y = (d.expert_x.astype(jnp.float32) * a[e] + b[e]).astype(jnp.bfloat16)
+        xe = jnp.where(d.valid_rows()[:, None], d.expert_x.astype(jnp.float32), 0.0)  # padding is unspecified
+        y = (xe * a[e] + b[e]).astype(jnp.bfloat16)
         return jax.lax.psum(jnp.sum(comm.combine(y, w, d).astype(jnp.float32) * g), axis)
 
     rank = jax.shard_map(one, mesh=comm.mesh, in_specs=(P(axis), P(axis), P(axis), P(), P(), P(axis)),

@@ -135,6 +135,7 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_i
 
 template <bool kGraph>
 ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, bool has_scale, bool has_weights,
+                            int64_t padding,
                             ffi::Buffer<ffi::S32> ticket, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
                             ffi::AnyBuffer topk_weights,
                             ffi::Result<ffi::AnyBuffer> expert_x,
@@ -169,10 +170,12 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_i
   if (has_weights) {
     if (auto e = CheckWeights(topk_weights, x_tokens, a.s.experts_per_token); e.failure()) return e;
   }
+  if (padding != kPadLeave && padding != kPadZero && padding != kPadPoison)
+    return ffi::Error::InvalidArgument("jax_moe cuda: bad padding mode");
   // Shapes first (a shape error is a caller's bug and launches nothing); then the device's earlier error is taken.
   const DeviceReport earlier = TakeError(*dev);
   ffi::Error launched =
-      Launched(LaunchDispatchRecv(a, x.untyped_data(), has_scale ? x_scale.untyped_data() : nullptr,
+      Launched(LaunchDispatchRecv(a, static_cast<int>(padding), x.untyped_data(), has_scale ? x_scale.untyped_data() : nullptr,
                                   has_weights ? static_cast<const float*>(topk_weights.untyped_data()) : nullptr,
                                   static_cast<int>(x_tokens), expert_x->untyped_data(),
                                   has_scale ? expert_x_scale->untyped_data() : nullptr, counts->typed_data(),
@@ -240,6 +243,34 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id
   return earlier.empty() ? std::move(launched) : ToFfi(earlier);
 }
 
+// The one-shot calls (`comm.dispatch`, `comm.combine`): both halves from one handler, so their kernels follow each
+// other on the stream without the gap XLA leaves between two custom calls (~4 us on H200). The send's ticket is a
+// scratch result that the receive half reads, as it would between two calls.
+template <bool kGraph>
+ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, bool has_scale, bool has_weights,
+                        int64_t padding, ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer topk_weights,
+                        ffi::Buffer<ffi::S32> topk_idx, ffi::Result<ffi::Buffer<ffi::S32>> ticket,
+                        ffi::Result<ffi::AnyBuffer> expert_x, ffi::Result<ffi::AnyBuffer> expert_x_scale,
+                        ffi::Result<ffi::Buffer<ffi::S32>> counts, ffi::Result<ffi::Buffer<ffi::S32>> route) {
+  if (auto e = DispatchSendImpl<kGraph>(stream, ordinal, comm_id, has_scale, has_weights, x, x_scale, topk_weights,
+                                        topk_idx, ticket);
+      e.failure())
+    return e;
+  return DispatchRecvImpl<kGraph>(stream, ordinal, comm_id, has_scale, has_weights, padding, *ticket, x, x_scale,
+                                  topk_weights, expert_x, expert_x_scale, counts, route);
+}
+
+template <bool kGraph>
+ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, int64_t channel, int64_t mode,
+                       ffi::AnyBuffer expert_y, ffi::Buffer<ffi::S32> route, ffi::Buffer<ffi::F32> topk_weights,
+                       ffi::Buffer<ffi::S32> topk_idx, ffi::Result<ffi::Buffer<ffi::S32>> ticket,
+                       ffi::Result<ffi::AnyBuffer> out) {
+  if (auto e = CombineSendImpl<kGraph>(stream, ordinal, comm_id, channel, mode, expert_y, route, ticket); e.failure())
+    return e;
+  return CombineRecvImpl<kGraph>(stream, ordinal, comm_id, channel, mode, *ticket, topk_weights, topk_idx, expert_y,
+                                 out);
+}
+
 // Passes `a` through (aliased) and stamps the device time once everything before it on the stream has finished.
 template <bool kGraph>
 ffi::Error TimestampImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer dep, ffi::Result<ffi::AnyBuffer> a_out,
@@ -278,6 +309,7 @@ JAX_MOE_CUDA_HANDLERS(JaxMoeCudaDispatchRecv, DispatchRecvImpl,
                           .Attr<int64_t>("comm_id")
                           .Attr<bool>("has_scale")
                           .Attr<bool>("has_weights")
+                          .Attr<int64_t>("padding")
                           .Arg<ffi::Buffer<ffi::S32>>()
                           .Arg<ffi::AnyBuffer>()
                           .Arg<ffi::AnyBuffer>()
@@ -309,6 +341,38 @@ JAX_MOE_CUDA_HANDLERS(JaxMoeCudaCombineRecv, CombineRecvImpl,
                           .Arg<ffi::Buffer<ffi::F32>>()
                           .Arg<ffi::Buffer<ffi::S32>>()
                           .Arg<ffi::AnyBuffer>()
+                          .Ret<ffi::AnyBuffer>());
+
+JAX_MOE_CUDA_HANDLERS(JaxMoeCudaDispatch, DispatchImpl,
+                      ffi::Ffi::Bind()
+                          .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                          .Ctx<ffi::DeviceOrdinal>()
+                          .Attr<int64_t>("comm_id")
+                          .Attr<bool>("has_scale")
+                          .Attr<bool>("has_weights")
+                          .Attr<int64_t>("padding")
+                          .Arg<ffi::AnyBuffer>()
+                          .Arg<ffi::AnyBuffer>()
+                          .Arg<ffi::AnyBuffer>()
+                          .Arg<ffi::Buffer<ffi::S32>>()
+                          .Ret<ffi::Buffer<ffi::S32>>()
+                          .Ret<ffi::AnyBuffer>()
+                          .Ret<ffi::AnyBuffer>()
+                          .Ret<ffi::Buffer<ffi::S32>>()
+                          .Ret<ffi::Buffer<ffi::S32>>());
+
+JAX_MOE_CUDA_HANDLERS(JaxMoeCudaCombine, CombineImpl,
+                      ffi::Ffi::Bind()
+                          .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                          .Ctx<ffi::DeviceOrdinal>()
+                          .Attr<int64_t>("comm_id")
+                          .Attr<int64_t>("channel")
+                          .Attr<int64_t>("mode")
+                          .Arg<ffi::AnyBuffer>()
+                          .Arg<ffi::Buffer<ffi::S32>>()
+                          .Arg<ffi::Buffer<ffi::F32>>()
+                          .Arg<ffi::Buffer<ffi::S32>>()
+                          .Ret<ffi::Buffer<ffi::S32>>()
                           .Ret<ffi::AnyBuffer>());
 
 JAX_MOE_CUDA_HANDLERS(JaxMoeCudaTimestamp, TimestampImpl,

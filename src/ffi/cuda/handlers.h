@@ -8,6 +8,10 @@ XLA_FFI_Error* JaxMoeCudaDispatchRecv(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeCudaCombineSend(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeCudaCombineRecv(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeCudaTimestamp(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeCudaDispatch(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeCudaCombine(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeCudaDispatchGraph(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeCudaCombineGraph(XLA_FFI_CallFrame* call_frame);
 // The same, marked command-buffer compatible (see handlers.cc).
 XLA_FFI_Error* JaxMoeCudaDispatchSendGraph(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeCudaDispatchRecvGraph(XLA_FFI_CallFrame* call_frame);
