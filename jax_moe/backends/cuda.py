@@ -207,6 +207,12 @@ class CudaBackend(NativeBackend):
         return {d.local_id: dict(info) for d in self._local()
                 for info in [self._mod.fabric_info(self.native_id, d.local_id)] if info}
 
+    def launch_shapes(self, tokens: int) -> dict[str, Any]:
+        """Blocks and threads per block of each half's NVLink kernel for `tokens` tokens (identical on every GPU of the
+        group but for the SM count), and the GPU's SMs: what the halves occupy while their data is in flight."""
+        shapes = self._mod.launch_shapes(self.native_id, self._local()[0].local_id, int(tokens))
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in shapes.items()}
+
     def fabric_trace(self, rounds: int) -> dict[int, list[tuple[int, int, int]]]:
         """Per local GPU ordinal: for the first `rounds` dispatch rounds, when its proxy saw the bell, posted, and
         flagged the arrival (steady-clock ns). For the benchmark's breakdown."""

@@ -541,6 +541,8 @@ def main(argv) -> int:
                 rec["buffer_bytes_per_device"] = cuda_backend.buffer_bytes(comm.cfg, comm.num_ranks)
             if native == "cuda":  # moves each token once per rank: the bytes on NVLink
                 rec["remote_dispatch_bytes_sent"] = token_bytes
+                rec["launch"] = comm.backend.launch_shapes(t)  # (blocks, threads) per half, and the GPU's SMs
+                print(f"[moe] launch (blocks, threads) {rec['launch']}", flush=True)
                 trace = _trace_summary(comm)
                 if trace:
                     rec["trace_us"] = trace

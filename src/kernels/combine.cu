@@ -289,13 +289,23 @@ __global__ void TimestampKernel(uint64_t* out) { out[0] = GlobalTimer(); }
 
 }  // namespace
 
-cudaError_t LaunchCombineSend(const KernelArgs& a, int channel, int mode, const void* expert_y, const int32_t* route,
-                              int32_t* ticket, cudaStream_t stream) {
-  // A warp per 4 KiB piece of a row, or of a (token owner, token) sum (the rows received are not known on the host):
-  // every SM takes part.
+LaunchShape CombineSendShape(const KernelArgs& a, int mode) {
+  // A warp per 4 KiB piece of a row, or per 2 KiB piece of a (token owner, token) sum (the rows received are not
+  // known on the host): every SM takes part.
   const long long items = mode == kPerEntry ? a.s.max_recv_rows() * ChunksOf(a.s.combine_row_bytes())
                                             : int64_t(a.s.num_ranks) * a.s.max_tokens * ChunksOf(a.s.combine_row_bytes()) * 2;
-  const int grid = GridFor(items, kWarps, a.num_sms);
+  return {GridFor(items, kWarps, a.num_sms), kThreads};
+}
+
+LaunchShape CombineRecvShape(const KernelArgs& a, int tokens) {
+  const int pieces = ((a.s.combine_row_bytes() >> 4) + kRecvThreads - 1) / kRecvThreads;
+  const long long items = static_cast<long long>(tokens) * pieces;
+  return {static_cast<int>(items < 1 ? 1 : (items > 16LL * a.num_sms ? 16LL * a.num_sms : items)), kRecvThreads};
+}
+
+cudaError_t LaunchCombineSend(const KernelArgs& a, int channel, int mode, const void* expert_y, const int32_t* route,
+                              int32_t* ticket, cudaStream_t stream) {
+  const int grid = CombineSendShape(a, mode).blocks;
   const size_t smem = a.num_remote > 0 ? sizeof(int) * (2 * a.s.num_experts + 1) : 0;
   if (smem > 48 * 1024) {
     if (cudaError_t err = cudaFuncSetAttribute(CombineSendKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
@@ -309,9 +319,7 @@ cudaError_t LaunchCombineSend(const KernelArgs& a, int channel, int mode, const 
 
 cudaError_t LaunchCombineRecv(const KernelArgs& a, int channel, int mode, int tokens, const float* topk_weights,
                               const int32_t* topk_idx, const void* expert_y, void* out, cudaStream_t stream) {
-  const int pieces = ((a.s.combine_row_bytes() >> 4) + kRecvThreads - 1) / kRecvThreads;
-  long long items = static_cast<long long>(tokens) * pieces;
-  const int grid = static_cast<int>(items < 1 ? 1 : (items > 16LL * a.num_sms ? 16LL * a.num_sms : items));
+  const int grid = CombineRecvShape(a, tokens).blocks;
   const size_t smem = (sizeof(void*) + sizeof(float)) * a.s.experts_per_token + sizeof(int) * a.s.num_ranks;
   if (a.num_remote > 0) {  // first: where each remote entry's row will sit
     if (cudaError_t err = LaunchCombineIndex(a, channel, tokens, topk_idx, stream); err != cudaSuccess) return err;

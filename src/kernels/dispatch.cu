@@ -309,12 +309,22 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-cudaError_t LaunchDispatchSend(const KernelArgs& a, int tokens, const void* x, const void* x_scale,
-                               const float* topk_weights, const int32_t* topk_idx, int32_t* ticket,
-                               cudaStream_t stream) {
+LaunchShape DispatchSendShape(const KernelArgs& a, int tokens) {
   // Enough blocks for one per expert scan and for every (token, rank) copy to have its warp, up to 2 per SM.
   int grid = GridFor(static_cast<long long>(tokens) * a.s.num_ranks * ChunksOf(a.s.x_bytes()), kWarps, a.num_sms);
   if (grid < a.s.num_experts) grid = a.s.num_experts < 2 * a.num_sms ? a.s.num_experts : 2 * a.num_sms;
+  return {grid, kThreads};
+}
+
+LaunchShape DispatchRecvShape(const KernelArgs& a) {
+  // A warp per expert_x row (two rows a warp per block's share).
+  return {GridFor(a.s.max_recv_rows(), kWarps * 2, a.num_sms), kThreads};
+}
+
+cudaError_t LaunchDispatchSend(const KernelArgs& a, int tokens, const void* x, const void* x_scale,
+                               const float* topk_weights, const int32_t* topk_idx, int32_t* ticket,
+                               cudaStream_t stream) {
+  const int grid = DispatchSendShape(a, tokens).blocks;
   if (a.num_remote > 0) {  // first: it reads the epoch the NVLink kernel advances
     if (cudaError_t err = LaunchDispatchPack(a, tokens, x, x_scale, topk_idx, stream); err != cudaSuccess) return err;
   }
@@ -334,8 +344,7 @@ cudaError_t LaunchDispatchRecv(const KernelArgs& a, int padding, const void* x, 
         err != cudaSuccess)
       return err;
   }
-  // A warp per expert_x row: the received ones are copied, the padding zeroed.
-  const int grid = GridFor(a.s.max_recv_rows(), kWarps * 2, a.num_sms);
+  const int grid = DispatchRecvShape(a).blocks;
   DispatchRecvKernel<<<grid, kThreads, smem, stream>>>(
       a, padding, static_cast<const uint8_t*>(x), static_cast<const uint8_t*>(x_scale), topk_weights, x_tokens,
       static_cast<uint8_t*>(expert_x),

@@ -35,6 +35,17 @@ cudaError_t LaunchCombineSend(const KernelArgs& a, int channel, int mode, const 
 cudaError_t LaunchCombineRecv(const KernelArgs& a, int channel, int mode, int tokens, const float* topk_weights,
                               const int32_t* topk_idx, const void* expert_y, void* out, cudaStream_t stream);
 
+// Blocks and threads per block of the NVLink kernel of each half (the launchers use them; the benchmark reports
+// them): how many SMs a half occupies while its data is in flight. Ranks on other nodes add the pack / index kernels.
+struct LaunchShape {
+  int blocks = 0;
+  int threads = 0;
+};
+LaunchShape DispatchSendShape(const KernelArgs& a, int tokens);
+LaunchShape DispatchRecvShape(const KernelArgs& a);
+LaunchShape CombineSendShape(const KernelArgs& a, int mode);
+LaunchShape CombineRecvShape(const KernelArgs& a, int tokens);
+
 // Reads `bytes` (a multiple of 16) of src once with `blocks` blocks (the benchmark's host-read bandwidth).
 cudaError_t LaunchReadFold(const void* src, size_t bytes, unsigned long long* out, int blocks, cudaStream_t stream);
 

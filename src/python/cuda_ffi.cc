@@ -10,6 +10,7 @@
 #include "cuda/device_comm.h"
 #include "cuda/device_fabric.h"
 #include "ffi/cuda/handlers.h"
+#include "kernels/moe_kernels.h"
 #include "cuda/peer_bandwidth.h"
 #include "python/registry.h"
 
@@ -172,6 +173,24 @@ void RegisterCuda(nb::module_& m) {
         return dev ? jax_moe::cuda::TakeError(*dev).message : std::string();
       },
       "Reads and clears a device's error word (what the next recv half would report); '' when clear.");
+  cuda.def(
+      "launch_shapes",
+      [](int64_t id, int ordinal, int tokens) {
+        auto dev = jax_moe::cuda::FindDevice(id, ordinal);
+        nb::dict d;
+        if (!dev) return d;
+        namespace k = jax_moe::cuda;
+        const k::KernelArgs& a = dev->args;
+        auto put = [&](const char* name, k::LaunchShape s) { d[name] = std::make_tuple(s.blocks, s.threads); };
+        put("dispatch_send", k::DispatchSendShape(a, tokens));
+        put("dispatch_recv", k::DispatchRecvShape(a));
+        put("combine_send", k::CombineSendShape(a, k::kWeighted));
+        put("combine_send_per_entry", k::CombineSendShape(a, k::kPerEntry));
+        put("combine_recv", k::CombineRecvShape(a, tokens));
+        d["sms"] = a.num_sms;
+        return d;
+      },
+      "Per half (blocks, threads per block) of its NVLink kernel for `tokens` tokens, and the device's SM count.");
   cuda.def("read_trace", &jax_moe::cuda::ReadTrace,
            "Device-side trace of a device: flat [64 epochs][halves][start, waited, work, end] %globaltimer ns "
            "(JAX_MOE_CUDA_TRACE=1 when the Communicator was made).");
