@@ -22,7 +22,16 @@ __device__ __forceinline__ void WarpCopy16(void* dst, const void* src, int bytes
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) d[i + u * 32] = v[u];
   }
-  for (; i < n; i += 32) d[i] = LoadCg(s + i);
+  // The rest (under kUnroll vectors a lane) in one batch too: loads first, then stores. A load-store loop would
+  // wait out one memory latency per vector, since the compiler cannot move a load above a store that may alias it
+  // (a 7168-byte row ends in 192 such vectors: 6 round trips a lane).
+  int4 v[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u)
+    if (i + u * 32 < n) v[u] = LoadCg(s + i + u * 32);
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u)
+    if (i + u * 32 < n) d[i + u * 32] = v[u];
 }
 
 // Rows are moved in pieces of kChunkBytes, one warp each: more warps carry NVLink traffic at once than with one warp
