@@ -162,6 +162,9 @@ def combine(comm: "Communicator", expert_y: jax.Array, topk_weights: Optional[ja
     if d is None:
         raise TypeError("jax_moe.combine: d (the Dispatched returned by dispatch) is required")
     other = topk_weights is not None and topk_weights is not getattr(d, "_topk_weights", None)
+    # Before anything is sent: a missing weight raises here, not after a send was traced.
+    if isinstance(d, Dispatched):  # (anything else is refused by the send's checks, with its own message)
+        validate.check_recv_weights("combine", topk_weights, d, d._topk_weights is not None and not other)
     handle, deferred = _combine_send(comm, expert_y, d, per_entry=other, one_shot=True)
     return _combine_receive(comm, handle, topk_weights, deferred)
 
