@@ -84,6 +84,15 @@ def main() -> None:
             for at_dispatch in (False, True):  # rows per (t, k), or summed per (token, rank) at the experts
                 outs = [gather(o) for o in roundtrip(comm, x, idx, w, scale, weights_at_dispatch=at_dispatch)]
                 check_roundtrip(comm, n, x, idx, w, scale, outs)
+        if not fp8:  # rows over 2 KiB and over 64 tokens: the summed combine's later pieces, several table jobs
+            big = jax_moe.Communicator(jax_moe.MoEConfig(e, r, 1536, 80), mesh, "ep", backend=backend)
+            comms.append(big)
+            xb, _ = random_tokens(rng, n * 70, 1536, False)
+            ib = random_routing(rng, n, 70, r, e, mask=0.2, skew=True)
+            wb = rng.random((n * 70, r)).astype(np.float32)
+            for at_dispatch in (False, True):
+                outs = [gather(o) for o in roundtrip(big, xb, ib, wb, None, weights_at_dispatch=at_dispatch)]
+                check_roundtrip(big, n, xb, ib, wb, None, outs)
         # Several rounds in one program, forward and backward (micro-batch accumulation sums the weights' gradients
         # with an all-reduce: not where processes share a GPU).
         run_all(comm, rng, 3, fp8, gather=gather, micro=None if SHARED_GPUS else 2)
