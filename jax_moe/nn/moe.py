@@ -88,7 +88,9 @@ def expert_ffn(x: jax.Array, group_sizes: jax.Array, w_in: jax.Array, w_out: jax
                w_up: Optional[jax.Array]) -> jax.Array:
     """Rows of x grouped by expert (group_sizes rows each, the rest padding) through each group's FFN.
 
-    ragged_dot leaves rows past sum(group_sizes) at zero, so the padding needs no masking.
+    The padding rows are unspecified (possibly NaN: Dispatched.expert_x); ragged_dot masks its rows by group_sizes
+    (its output there is zero and no padding value reaches the gradients: tests/test_nn_moe.py poisons them), so
+    they need no masking here.
     """
     h = jax.lax.ragged_dot(x, w_in, group_sizes)
     h = jax.nn.silu(h) * jax.lax.ragged_dot(x, w_up, group_sizes) if w_up is not None else jax.nn.gelu(h)
