@@ -12,7 +12,7 @@ weights as its differentiable input (the user's array, through the handles), so 
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -111,15 +111,20 @@ _dispatch_recv.defvjp(_dispatch_recv_fwd, _dispatch_recv_bwd)
 def combine_send(comm: "Communicator", expert_y: jax.Array, d: Dispatched) -> CombineHandle:
     """Start returning expert outputs (layout of d.expert_x, combine_dtype) to the tokens' owners. If dispatch was
     given topk_weights, the expert ranks may sum a token's rows with them: combine_recv then uses those weights."""
-    return _combine_send(comm, expert_y, d, per_entry=False, one_shot=False)[0]
+    return _combine_send(comm, expert_y, d, reduced=_dispatched_weights(d) is not None, one_shot=False)[0]
 
 
-def _combine_send(comm: "Communicator", expert_y: jax.Array, d: Dispatched, per_entry: bool,
+def _dispatched_weights(d: Any) -> Optional[jax.Array]:
+    """The weights given to d's dispatch (None: none, or d is no Dispatched: the send's checks refuse it)."""
+    return getattr(d, "_topk_weights", None)
+
+
+def _combine_send(comm: "Communicator", expert_y: jax.Array, d: Dispatched, reduced: bool,
                   one_shot: bool) -> tuple[CombineHandle, bool]:
-    """(handle, deferred). per_entry: one row per (token, k) even if d carries weights (combine was given other
-    weights). one_shot: the backend may defer the send to the receive, as _dispatch_send."""
+    """(handle, deferred). reduced: the expert ranks may sum a token's rows with d's weights (False: one row per
+    (token, k), the weights come to the receive). one_shot: the backend may defer the send to the receive, as
+    _dispatch_send."""
     validate.check_expert_y(comm, "combine_send", expert_y, d)
-    reduced = d._topk_weights is not None and not per_entry
     rounds.check_open(comm, "combine", "combine_send")
     args = (jax.lax.stop_gradient(expert_y), d._route, d._topk_idx)
     handle = comm.backend.defer_combine(*args, reduced=reduced) if one_shot else None
@@ -161,11 +166,12 @@ def combine(comm: "Communicator", expert_y: jax.Array, topk_weights: Optional[ja
     at the owner: correct, without the expert ranks' partial sums."""
     if d is None:
         raise TypeError("jax_moe.combine: d (the Dispatched returned by dispatch) is required")
-    other = topk_weights is not None and topk_weights is not getattr(d, "_topk_weights", None)
+    dispatched = _dispatched_weights(d)
+    reduced = dispatched is not None and (topk_weights is None or topk_weights is dispatched)
     # Before anything is sent: a missing weight raises here, not after a send was traced.
     if isinstance(d, Dispatched):  # (anything else is refused by the send's checks, with its own message)
-        validate.check_recv_weights("combine", topk_weights, d, d._topk_weights is not None and not other)
-    handle, deferred = _combine_send(comm, expert_y, d, per_entry=other, one_shot=True)
+        validate.check_recv_weights("combine", topk_weights, d, reduced)
+    handle, deferred = _combine_send(comm, expert_y, d, reduced=reduced, one_shot=True)
     return _combine_receive(comm, handle, topk_weights, deferred)
 
 

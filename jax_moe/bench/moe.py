@@ -483,10 +483,11 @@ def main(argv) -> int:
         inputs = _inputs(rng, n, t, hidden, e, r, fp8)
         remote_rows = _remote_rows(inputs[2], n, t, l)
         disp_bytes = remote_rows * (hidden * (1 if fp8 else 2) + cfg.num_scales * 4)
-        token_bytes = _remote_tokens(inputs[2], n, t, l) * (hidden * (1 if fp8 else 2) + cfg.num_scales * 4)
+        remote_tokens = _remote_tokens(inputs[2], n, t, l)
+        token_bytes = remote_tokens * (hidden * (1 if fp8 else 2) + cfg.num_scales * 4)
         comb_bytes = remote_rows * hidden * 2
         # cuda with the weights at dispatch sums a token's rows per rank: one row per (token, other rank) comes back
-        comb_summed = _remote_tokens(inputs[2], n, t, l) * hidden * 2
+        comb_summed = remote_tokens * hidden * 2
         for backend in backends:
             native = backend.removesuffix("-entry")  # "-entry": weights given to combine, rows per (t, k)
             summed = native == "cuda" and not backend.endswith("-entry")

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from support.helpers import random_routing
+from support.helpers import random_routing, received
 
 
 def local_expert_of_rows(counts: jax.Array, rows: int) -> jax.Array:
@@ -31,7 +31,7 @@ def moe_loss_fn(comm, split_halves: bool, collective: bool = True, weights_at_di
         e = local_expert_of_rows(d.expert_counts, d.expert_x.shape[0])
         # Every row goes through the expert, so mask the padding (unspecified, possibly NaN) at the input: a NaN row
         # times its zero cotangent would reach the gradients of a and b.
-        xe = jnp.where(d.valid_rows()[:, None], d.expert_x.astype(jnp.float32), 0.0)
+        xe = received(d)[0].astype(jnp.float32)
         y = (xe * a[e] + b[e]).astype(jnp.bfloat16)
         out = comm.combine_recv(comm.combine_send(y, d), wc) if split_halves else comm.combine(y, wc, d)
         part = jnp.sum(out.astype(jnp.float32) * g)

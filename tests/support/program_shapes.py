@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_moe
 from support.grads import dense_loss, local_expert_of_rows
-from support.helpers import check_roundtrip, expert_fn, random_routing, random_tokens
+from support.helpers import check_roundtrip, expert_fn, random_routing, random_tokens, received
 
 
 def rounds_problem(rng, rounds: int, n: int, t: int, r: int, e: int, hidden: int, fp8: bool):
@@ -88,7 +88,7 @@ def accumulation_program(comm: jax_moe.Communicator, micro: int):
         d = comm.dispatch(x, idx)
         l = comm.num_local_experts
         e = local_expert_of_rows(d.expert_counts, d.expert_x.shape[0]) + jax.lax.axis_index(axis) * l
-        xe = jnp.where(d.valid_rows()[:, None], d.expert_x.astype(jnp.float32), 0.0)  # padding is unspecified
+        xe = received(d)[0].astype(jnp.float32)  # padding is unspecified: masked at the expert's input
         y = (xe * a[e] + b[e]).astype(jnp.bfloat16)
         return jax.lax.psum(jnp.sum(comm.combine(y, w, d).astype(jnp.float32) * g), axis)
 
