@@ -1,21 +1,30 @@
 // combine_send (expert rows back to the tokens' owners: per (t, k) entry, or per (token, rank) weighted and summed at
 // the expert rank, see CombineMode) and combine_recv (wait, float32 weighted sum per token), plus the time-stamp kernel
-// of the benchmark.
+// of the benchmark. Each half is a block-level body: the one-shot combine (every rank on this node) runs both in one
+// kernel.
 #include <cuda_bf16.h>
 
+#include "kernels/cooperative.h"
 #include "kernels/copy.cuh"
 #include "kernels/fabric_kernels.h"
 #include "kernels/grid.h"
 #include "kernels/moe_kernels.h"
 #include "kernels/sync.cuh"
 
+#include <algorithm>
+
 namespace jax_moe::cuda {
 namespace {
 
-constexpr int kRecvThreads = 128;  // combine_recv: one thread per 16-byte output vector of a 128-vector piece
+// combine_recv: a warp sums a piece of kRecvVecs 16-byte vectors a lane (1 KiB of a bf16 row) over a token's entries.
+constexpr int kRecvVecs = 2;
+constexpr int kRecvPieceVecs = 32 * kRecvVecs;
+
+// SendSums' pieces: 2 KiB (4 vectors a lane), so that 32 float32 sums a lane keep the kernel at two blocks an SM.
+constexpr int kSumVecs = 4, kSumBytes = kSumVecs * 32 * 16;
 
 // The reduced modes: this rank's own entries only record their rows (combine_recv reads them from expert_y); per
-// (token owner q on this node, token t, 4 KiB piece) one warp sums the rows of q's token t held here, weighted by the
+// (token owner q on this node, token t, 2 KiB piece) one warp sums the rows of q's token t held here, weighted by the
 // weights dispatch carried (kWeighted) or by 1 (kUnit), in float32, and writes one bf16 row into q's entry of the
 // token's first k here (combine_recv knows it from topk_idx). Rows come from the route table of dispatch_recv; rows
 // at or past `total` (a route not from dispatch_recv) are skipped.
@@ -30,8 +39,6 @@ __device__ void SendSums(const KernelArgs& a, int ch, int mode, const uint8_t* y
   for (long long j = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; j < entries;
        j += static_cast<long long>(gridDim.x) * blockDim.x)
     self[j] = own[j] < total ? own[j] : -1;
-  // 2 KiB pieces (4 vectors a lane): 32 float32 sums a lane keep the kernel at two blocks an SM.
-  constexpr int kSumVecs = 4, kSumBytes = kSumVecs * 32 * 16;
   const int row_bytes = s.combine_row_bytes(), chunks = (row_bytes + kSumBytes - 1) / kSumBytes;
   const long long items = static_cast<long long>(s.num_ranks) * s.max_tokens * chunks;
   for (long long item = blockIdx.x * kWarps + (threadIdx.x >> 5); item < items; item += gridDim.x * kWarps) {
@@ -92,8 +99,11 @@ __device__ void SendSums(const KernelArgs& a, int ch, int mode, const uint8_t* y
   }
 }
 
-__global__ void __launch_bounds__(kThreads)
-    CombineSendKernel(KernelArgs a, int ch, int mode, const uint8_t* y, const int32_t* route, int32_t* ticket) {
+__device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io) {
+  const int ch = io.channel, mode = io.mode;
+  const uint8_t* y = static_cast<const uint8_t*>(io.expert_y);
+  const int32_t* route = io.route;
+  int32_t* ticket = io.ticket;
   extern __shared__ uint8_t smem[];
   const MoeShape& s = a.s;
   const int n = s.num_ranks, blocks = s.num_experts;
@@ -179,15 +189,21 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
-__global__ void __launch_bounds__(kRecvThreads)
-    CombineRecvKernel(KernelArgs a, int ch, int mode, int tokens, const float* w, const int32_t* idx, const uint8_t* y,
-                      uint8_t* out) {
+// combine_recv. Every block waits for the senders (and checks the regions of ranks on other nodes), then the warps
+// take (token, group of pieces) items: lanes k < R resolve entry k (its row: the combine area, expert_y for entries
+// served here, a remote region; its weight: 0 for masked entries and repeats, 1 for a peer's summed row at the token's
+// first k on that peer), then every lane sums its vectors over the entries with 8 entries' loads in flight. A token's
+// pieces are split over as many warps as the grid has per token, so that decode's few tokens still use every warp.
+__device__ void CombineRecvBody(const KernelArgs& a, const CombineRecvIo& io) {
   extern __shared__ uint8_t smem[];
-  const uint8_t** src = reinterpret_cast<const uint8_t**>(smem);  // [R] row of entry k (comb area or expert_y)
-  float* wk = reinterpret_cast<float*>(smem + sizeof(void*) * a.s.experts_per_token);  // [R] weight of entry k, 0 if nothing sent
-  int* pok = reinterpret_cast<int*>(wk + a.s.experts_per_token);  // [n] remote rank p's region is valid
+  int* pok = reinterpret_cast<int*>(smem);  // [n] remote rank p's region is valid
   __shared__ int fab_ok;
   const MoeShape& s = a.s;
+  const int ch = io.channel, mode = io.mode, tokens = io.tokens;
+  const float* w = io.topk_weights;
+  const int32_t* idx = io.topk_idx;
+  const uint8_t* y = static_cast<const uint8_t*>(io.expert_y);
+  uint8_t* out = static_cast<uint8_t*>(io.out);
   const int half = kCombineRecv + 2 * ch, flag = kCombineFlag + 2 * ch, ack = kCombineAck + 2 * ch;
   const unsigned long long epoch = Local(a)->epoch[half] + 1;
   const FabricArgs& fab = a.fab[1 + ch];
@@ -208,74 +224,101 @@ __global__ void __launch_bounds__(kRecvThreads)
   }
   __syncthreads();
   TraceBlock0(a, half, epoch, kTraceWaited);
-  const uint8_t* comb = a.base + a.lay.comb + static_cast<size_t>(ch) * s.entries() * s.combine_row_bytes();
+  const int r = s.experts_per_token, l = s.local_experts, lane = threadIdx.x & 31;
+  const long long entries = s.entries();
+  const uint8_t* comb = a.base + a.lay.comb + static_cast<size_t>(ch) * entries * s.combine_row_bytes();
+  const int32_t* self = reinterpret_cast<const int32_t*>(a.base + a.lay.self) + ch * entries;
   const int vecs = s.combine_row_bytes() >> 4;  // 8 bf16 per 16-byte vector
-  const int pieces = (vecs + kRecvThreads - 1) / kRecvThreads;
-  // One item = one token's vectors [piece * 128, piece * 128 + 128): each thread sums one vector over the R entries,
-  // with 8 entries' loads in flight at once.
-  for (int item = blockIdx.x; item < tokens * pieces; item += gridDim.x) {
-    const int t = item / pieces;
-    const int c = (item - t * pieces) * kRecvThreads + threadIdx.x;
-    for (int k = threadIdx.x; k < s.experts_per_token; k += blockDim.x) {
-      const int g = SentExpert(idx + static_cast<size_t>(t) * s.experts_per_token, k, s.num_experts);
-      const size_t entry = static_cast<size_t>(t) * s.experts_per_token + k;
-      float wt = g >= 0 ? w[entry] : 0.f;
-      const uint8_t* row = comb + entry * s.combine_row_bytes();
-      if (g >= 0 && g / s.local_experts == a.rank) {
-        const int32_t i = reinterpret_cast<const int32_t*>(a.base + a.lay.self)[ch * s.entries() + entry];
-        if (i >= 0 && i < s.max_recv_rows()) row = y + static_cast<size_t>(i) * s.combine_row_bytes(); else wt = 0.f;
-      } else if (g >= 0 && mode != kPerEntry && !IsRemote(a, g / s.local_experts)) {
-        // The peer sent this token's rows on it as one weighted sum, in the entry of its first k there.
-        const int p = g / s.local_experts;
-        wt = 1.f;
-        for (int j = 0; j < k; ++j) {
-          const int h = SentExpert(idx + static_cast<size_t>(t) * s.experts_per_token, j, s.num_experts);
-          if (h >= 0 && h / s.local_experts == p) wt = 0.f;
-        }
-      } else if (g >= 0 && IsRemote(a, g / s.local_experts)) {
-        const int p = g / s.local_experts;
-        const int32_t i = fpos[entry];
-        if (pok[p] && i >= 0 && i < fexp[p])
-          row = RecvRegion(fab, a, epoch, p) + FabricHeaderBytes(s) + static_cast<size_t>(i) * s.combine_row_bytes();
-        else
-          wt = 0.f;
-      }
-      wk[k] = wt;
-      src[k] = row;
+  const int pieces = (vecs + kRecvPieceVecs - 1) / kRecvPieceVecs;
+  const int warps = static_cast<int>(gridDim.x * (blockDim.x >> 5));
+  const int groups = max(1, min(pieces, tokens > 0 ? warps / tokens : 1));
+  const int per_group = (pieces + groups - 1) / groups;
+  for (long long item = static_cast<long long>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+       item < static_cast<long long>(tokens) * groups; item += warps) {
+    const int t = static_cast<int>(item / groups);
+    const int p0 = static_cast<int>(item - static_cast<long long>(t) * groups) * per_group;
+    const int p1 = min(pieces, p0 + per_group);
+    if (p0 >= p1) continue;  // the same for the whole warp
+    // Lane k < R: entry k. Its weight and served-here row are loaded beside the id, not after it.
+    const size_t entry = static_cast<size_t>(t) * r + lane;
+    int g = -1;
+    float wt = 0.f;
+    int32_t i_self = -1;
+    if (lane < r) {
+      g = idx[entry];
+      wt = w[entry];
+      i_self = self[entry];
+      if (g < 0 || g >= s.num_experts) g = -1;
     }
-    __syncthreads();
-    if (c < vecs) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int k0 = 0; k0 < s.experts_per_token; k0 += 8) {
-        int4 v[8];
-        float wt[8];
+    // A repeat of an earlier entry's expert is masked (as SentExpert): the lanes holding the same id.
+    const unsigned same = __match_any_sync(0xffffffffu, lane < r ? g : -2 - lane);
+    if (g >= 0 && (same & ((1u << lane) - 1u))) g = -1;
+    const int p = g >= 0 ? g / l : -1;
+    const uint8_t* row = comb + entry * s.combine_row_bytes();
+    if (g < 0) {
+      wt = 0.f;
+    } else if (p == a.rank) {
+      if (i_self >= 0 && i_self < s.max_recv_rows()) row = y + static_cast<size_t>(i_self) * s.combine_row_bytes(); else wt = 0.f;
+    } else if (IsRemote(a, p)) {
+      const int32_t i = fpos[entry];
+      if (pok[p] && i >= 0 && i < fexp[p])
+        row = RecvRegion(fab, a, epoch, p) + FabricHeaderBytes(s) + static_cast<size_t>(i) * s.combine_row_bytes();
+      else
+        wt = 0.f;
+    } else if (mode != kPerEntry) {
+      wt = 1.f;  // the peer sent this token's rows on it as one weighted sum, in the entry of its first k there
+    }
+    // That first k: the lowest lane of the entries on the same peer (sent entries only).
+    const unsigned on_p = __match_any_sync(0xffffffffu, g >= 0 ? p : -2 - lane);
+    if (g >= 0 && mode != kPerEntry && p != a.rank && !IsRemote(a, p) && (on_p & ((1u << lane) - 1u))) wt = 0.f;
+    const unsigned long long row_bits = reinterpret_cast<unsigned long long>(row);
+    for (int piece = p0; piece < p1; ++piece) {
+      const int c0 = piece * kRecvPieceVecs + lane;
+      float acc[kRecvVecs][8];
+#pragma unroll
+      for (int u = 0; u < kRecvVecs; ++u)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
+      for (int k0 = 0; k0 < r; k0 += 8) {
+        int4 v[8][kRecvVecs];
+        float wu[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
-          const int k = k0 + u;
-          wt[u] = k < s.experts_per_token ? wk[k] : 0.f;
+          const int k = (k0 + u) & 31;
+          wu[u] = __shfl_sync(0xffffffffu, wt, k);
+          const int4* src = reinterpret_cast<const int4*>(__shfl_sync(0xffffffffu, row_bits, k));
+          if (k0 + u >= r) wu[u] = 0.f;
           // Masked entries hold stale rows: never read them into the sum.
-          if (wt[u] != 0.f)
-            v[u] = LoadCg(reinterpret_cast<const int4*>(src[k]) + c);
+#pragma unroll
+          for (int q = 0; q < kRecvVecs; ++q)
+            if (wu[u] != 0.f && c0 + 32 * q < vecs) v[u][q] = LoadCg(src + c0 + 32 * q);
         }
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
-          if (wt[u] == 0.f) continue;
-          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+          if (wu[u] == 0.f) continue;
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float2 f = __bfloat1622float2(h[j]);
-            acc[2 * j] = fmaf(wt[u], f.x, acc[2 * j]);
-            acc[2 * j + 1] = fmaf(wt[u], f.y, acc[2 * j + 1]);
+          for (int q = 0; q < kRecvVecs; ++q) {
+            if (c0 + 32 * q >= vecs) continue;
+            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[u][q]);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const float2 f = __bfloat1622float2(h[j]);
+              acc[q][2 * j] = fmaf(wu[u], f.x, acc[q][2 * j]);
+              acc[q][2 * j + 1] = fmaf(wu[u], f.y, acc[q][2 * j + 1]);
+            }
           }
         }
       }
-      int4 o;
-      __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) oh[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-      reinterpret_cast<int4*>(out + static_cast<size_t>(t) * s.combine_row_bytes())[c] = o;
+      for (int q = 0; q < kRecvVecs; ++q) {
+        if (c0 + 32 * q >= vecs) continue;
+        int4 o;
+        __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) oh[j] = __floats2bfloat162_rn(acc[q][2 * j], acc[q][2 * j + 1]);
+        reinterpret_cast<int4*>(out + static_cast<size_t>(t) * s.combine_row_bytes())[c0 + 32 * q] = o;
+      }
     }
-    __syncthreads();
   }
   FinishBlock(a, half, [&](LocalSync* ls) {
     ls->epoch[half] = epoch;
@@ -283,6 +326,16 @@ __global__ void __launch_bounds__(kRecvThreads)
       if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, ack) + a.rank, epoch);
     if (a.num_remote > 0) StoreReleaseSys(fab.bell + proxy::kRead, epoch);  // the proxy gives the senders credit
   });
+}
+
+__global__ void __launch_bounds__(kThreads) CombineSendKernel(KernelArgs a, CombineSendIo io) { CombineSendBody(a, io); }
+
+__global__ void __launch_bounds__(kThreads, 2) CombineRecvKernel(KernelArgs a, CombineRecvIo io) { CombineRecvBody(a, io); }
+
+// The one-shot combine where every rank is on this node (cooperative: see DispatchKernel).
+__global__ void __launch_bounds__(kThreads, 2) CombineKernel(KernelArgs a, CombineSendIo send, CombineRecvIo recv) {
+  CombineSendBody(a, send);
+  CombineRecvBody(a, recv);
 }
 
 __global__ void TimestampKernel(uint64_t* out) { out[0] = GlobalTimer(); }
@@ -293,41 +346,58 @@ LaunchShape CombineSendShape(const KernelArgs& a, int mode) {
   // A warp per 4 KiB piece of a row, or per 2 KiB piece of a (token owner, token) sum (the rows received are not
   // known on the host): every SM takes part.
   const long long items = mode == kPerEntry ? a.s.max_recv_rows() * ChunksOf(a.s.combine_row_bytes())
-                                            : int64_t(a.s.num_ranks) * a.s.max_tokens * ChunksOf(a.s.combine_row_bytes()) * 2;
+                                            : int64_t(a.s.num_ranks) * a.s.max_tokens *
+                                                  ((a.s.combine_row_bytes() + kSumBytes - 1) / kSumBytes);
   return {GridFor(items, kWarps, a.num_sms), kThreads};
 }
 
 LaunchShape CombineRecvShape(const KernelArgs& a, int tokens) {
-  const int pieces = ((a.s.combine_row_bytes() >> 4) + kRecvThreads - 1) / kRecvThreads;
-  const long long items = static_cast<long long>(tokens) * pieces;
-  return {static_cast<int>(items < 1 ? 1 : (items > 16LL * a.num_sms ? 16LL * a.num_sms : items)), kRecvThreads};
+  const int pieces = ((a.s.combine_row_bytes() >> 4) + kRecvPieceVecs - 1) / kRecvPieceVecs;
+  return {GridFor(static_cast<long long>(tokens) * pieces, kWarps, a.num_sms), kThreads};
 }
 
-cudaError_t LaunchCombineSend(const KernelArgs& a, int channel, int mode, const void* expert_y, const int32_t* route,
-                              int32_t* ticket, cudaStream_t stream) {
-  const int grid = CombineSendShape(a, mode).blocks;
-  const size_t smem = a.num_remote > 0 ? sizeof(int) * (2 * a.s.num_experts + 1) : 0;
+namespace {
+size_t CombineSendSmem(const KernelArgs& a) { return a.num_remote > 0 ? sizeof(int) * (2 * a.s.num_experts + 1) : 0; }
+size_t CombineRecvSmem(const KernelArgs& a) { return sizeof(int) * a.s.num_ranks; }
+}  // namespace
+
+LaunchShape CombineShape(const KernelArgs& a, int mode, int tokens) {
+  if (a.num_remote > 0 || !OneKernelAllowed()) return {0, kThreads};
+  const int want = std::max(CombineSendShape(a, mode).blocks, CombineRecvShape(a, tokens).blocks);
+  const int fit = ResidentBlocks(reinterpret_cast<const void*>(CombineKernel), kThreads, CombineRecvSmem(a), a.num_sms);
+  return {std::min(want, fit), kThreads};
+}
+
+cudaError_t LaunchCombineSend(const KernelArgs& a, const CombineSendIo& io, cudaStream_t stream) {
+  const size_t smem = CombineSendSmem(a);
   if (smem > 48 * 1024) {
     if (cudaError_t err = cudaFuncSetAttribute(CombineSendKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
         err != cudaSuccess)
       return err;
   }
-  CombineSendKernel<<<grid, kThreads, smem, stream>>>(a, channel, mode, static_cast<const uint8_t*>(expert_y), route,
-                                                     ticket);
+  CombineSendKernel<<<CombineSendShape(a, io.mode).blocks, kThreads, smem, stream>>>(a, io);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchCombineRecv(const KernelArgs& a, int channel, int mode, int tokens, const float* topk_weights,
-                              const int32_t* topk_idx, const void* expert_y, void* out, cudaStream_t stream) {
-  const int grid = CombineRecvShape(a, tokens).blocks;
-  const size_t smem = (sizeof(void*) + sizeof(float)) * a.s.experts_per_token + sizeof(int) * a.s.num_ranks;
+cudaError_t LaunchCombineRecv(const KernelArgs& a, const CombineRecvIo& io, cudaStream_t stream) {
   if (a.num_remote > 0) {  // first: where each remote entry's row will sit
-    if (cudaError_t err = LaunchCombineIndex(a, channel, tokens, topk_idx, stream); err != cudaSuccess) return err;
+    if (cudaError_t err = LaunchCombineIndex(a, io.channel, io.tokens, io.topk_idx, stream); err != cudaSuccess)
+      return err;
   }
-  CombineRecvKernel<<<grid, kRecvThreads, smem, stream>>>(a, channel, mode, tokens, topk_weights, topk_idx,
-                                                         static_cast<const uint8_t*>(expert_y),
-                                                         static_cast<uint8_t*>(out));
+  CombineRecvKernel<<<CombineRecvShape(a, io.tokens).blocks, kThreads, CombineRecvSmem(a), stream>>>(a, io);
   return cudaGetLastError();
+}
+
+cudaError_t LaunchCombine(const KernelArgs& a, const CombineSendIo& send, const CombineRecvIo& recv,
+                          cudaStream_t stream) {
+  const int grid = CombineShape(a, send.mode, recv.tokens).blocks;
+  if (grid > 0) {
+    const cudaError_t err = LaunchCooperative(CombineKernel, grid, kThreads, CombineRecvSmem(a), stream, a, send, recv);
+    if (err != cudaErrorCooperativeLaunchTooLarge && err != cudaErrorNotSupported) return err;
+    (void)cudaGetLastError();  // the grid does not fit beside what else runs (MPS): the two kernels instead
+  }
+  if (cudaError_t err = LaunchCombineSend(a, send, stream); err != cudaSuccess) return err;
+  return LaunchCombineRecv(a, recv, stream);
 }
 
 cudaError_t LaunchTimestamp(uint64_t* out, cudaStream_t stream) {

@@ -7,10 +7,11 @@ namespace jax_moe::cuda {
 // L2-only loads: the data may have been written by a peer GPU, so L1 must not serve a stale line.
 __device__ __forceinline__ int4 LoadCg(const int4* p) { return __ldcg(p); }
 
-// Copies `bytes` (multiple of 16) from src to dst with the 32 lanes of a warp, 8 vectors (4 KiB a warp) in flight:
-// over NVLink the stores' throughput depends on how many bytes each warp keeps moving.
+// Copies `bytes` (multiple of 16) from src to dst with the 32 lanes of a warp, kUnroll vectors a lane in flight (8:
+// 4 KiB a warp): over NVLink the stores' throughput depends on how many bytes each warp keeps moving; a row that fits
+// one batch (kUnroll 16: 8 KiB, a 7168-byte fp8 row) costs one memory latency instead of two.
+template <int kUnroll = 8>
 __device__ __forceinline__ void WarpCopy16(void* dst, const void* src, int bytes, int lane) {
-  constexpr int kUnroll = 8;
   const int4* s = static_cast<const int4*>(src);
   int4* d = static_cast<int4*>(dst);
   const int n = bytes >> 4;
@@ -46,11 +47,32 @@ __device__ __forceinline__ void WarpFill16(void* dst, int bytes, int word, int l
   for (int i = lane; i < (bytes >> 4); i += 32) d[i] = v;
 }
 
-// Copies `bytes` (multiple of 4) with 4-byte words: the scale rows (56 floats for hidden 7168).
+// A row of 4-byte words (the fp8 scales: 56 floats for hidden 7168) carried by a warp in registers: load() issues
+// every load of the first kWords * 32 words, store() writes them (and copies any rest), so a caller can put other
+// loads in flight between the two instead of waiting out the scales' latency alone.
+struct WarpWords4 {
+  static constexpr int kWords = 4;
+  int v[kWords];
+  __device__ __forceinline__ void load(const void* src, int bytes, int lane) {
+    const int* s = static_cast<const int*>(src);
+#pragma unroll
+    for (int u = 0; u < kWords; ++u)
+      if (lane + 32 * u < (bytes >> 2)) v[u] = __ldcg(s + lane + 32 * u);
+  }
+  __device__ __forceinline__ void store(void* dst, const void* src, int bytes, int lane) const {
+    int* d = static_cast<int*>(dst);
+#pragma unroll
+    for (int u = 0; u < kWords; ++u)
+      if (lane + 32 * u < (bytes >> 2)) d[lane + 32 * u] = v[u];
+    for (int i = lane + 32 * kWords; i < (bytes >> 2); i += 32) d[i] = __ldcg(static_cast<const int*>(src) + i);
+  }
+};
+
+// Copies `bytes` (multiple of 4) with 4-byte words, loads before stores.
 __device__ __forceinline__ void WarpCopy4(void* dst, const void* src, int bytes, int lane) {
-  const int* s = static_cast<const int*>(src);
-  int* d = static_cast<int*>(dst);
-  for (int i = lane; i < (bytes >> 2); i += 32) d[i] = __ldcg(s + i);
+  WarpWords4 w;
+  w.load(src, bytes, lane);
+  w.store(dst, src, bytes, lane);
 }
 
 // In-place inclusive prefix sum of data[0..n) in shared memory by the whole block (any n, any blockDim that is a

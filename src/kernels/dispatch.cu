@@ -1,11 +1,15 @@
 // dispatch_send (push each token once to every rank holding one of its experts, plus per local expert the list of
 // its tokens) and dispatch_recv (wait, expand the received tokens into expert_x rows in the contract order: local
-// expert, then source rank, then source token). One kernel each.
+// expert, then source rank, then source token). One kernel each, or one for both (the one-shot dispatch, every rank on
+// this node): each half is a block-level body, so the fused kernel runs the send's, then the receive's.
+#include "kernels/cooperative.h"
 #include "kernels/copy.cuh"
 #include "kernels/fabric_kernels.h"
 #include "kernels/grid.h"
 #include "kernels/moe_kernels.h"
 #include "kernels/sync.cuh"
+
+#include <algorithm>
 
 namespace jax_moe::cuda {
 namespace {
@@ -17,9 +21,13 @@ namespace {
 //    list[my_rank][e][i] on g's rank (e = g's local index), the count to counts[my_rank][e] there. Ranks come from
 //    warp ballots, so the order is the tokens' order without sorting.
 // Ids outside [0, E) other than -1 are masked and reported (block 0 checks them).
-__global__ void __launch_bounds__(kThreads)
-    DispatchSendKernel(KernelArgs a, int tokens, const uint8_t* x, const uint8_t* xs, const float* w,
-                       const int32_t* idx, int32_t* ticket) {
+__device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io) {
+  const int tokens = io.tokens;
+  const uint8_t* x = static_cast<const uint8_t*>(io.x);
+  const uint8_t* xs = static_cast<const uint8_t*>(io.x_scale);
+  const float* w = io.topk_weights;
+  const int32_t* idx = io.topk_idx;
+  int32_t* ticket = io.ticket;
   const MoeShape& s = a.s;
   const int experts = s.num_experts, r = s.experts_per_token, n = s.num_ranks;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -103,20 +111,36 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
-// First index in list[0, n) (ascending) whose value is >= v.
-__device__ __forceinline__ int LowerBound(const int32_t* list, int n, int v) {
-  int lo = 0, hi = n;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (__ldcg(list + mid) < v) lo = mid + 1; else hi = mid;
+// The first indices in list[0, n) (ascending) whose values are >= v0 and >= v1: both searches in lockstep, so their
+// dependent loads overlap.
+__device__ __forceinline__ void LowerBounds(const int32_t* list, int n, int v0, int v1, int& i0, int& i1) {
+  int lo0 = 0, hi0 = n, lo1 = 0, hi1 = n;
+  while (lo0 < hi0 || lo1 < hi1) {
+    const int m0 = (lo0 + hi0) >> 1, m1 = (lo1 + hi1) >> 1;
+    const int a0 = lo0 < hi0 ? __ldcg(list + m0) : 0, a1 = lo1 < hi1 ? __ldcg(list + m1) : 0;
+    if (lo0 < hi0) { if (a0 < v0) lo0 = m0 + 1; else hi0 = m0; }
+    if (lo1 < hi1) { if (a1 < v1) lo1 = m1 + 1; else hi1 = m1; }
   }
-  return lo;
+  i0 = lo0;
+  i1 = lo1;
+}
+
+// One token record into expert_x (and its scales when `sdst`): the scales' loads go first and their stores last, so
+// that they wait out a latency with the row's. 8 vectors a lane in flight: 16 (a 7168-byte row in one batch) pushed
+// the receive kernel past 128 registers (two blocks an SM) and spilled.
+__device__ __forceinline__ void CopyRecord(uint8_t* dst, const uint8_t* src, int bytes, uint8_t* sdst, const uint8_t* ssrc,
+                                        int sbytes, int lane) {
+  WarpWords4 scale;
+  if (sdst) scale.load(ssrc, sbytes, lane);
+  WarpCopy16(dst, src, bytes, lane);
+  if (sdst) scale.store(sdst, ssrc, sbytes, lane);
 }
 
 constexpr int kTableTokens = 64;  // tokens of one route-table job
 
 // dispatch_recv's route table (RouteTableOffset): per (sender q, token t, k) the expert_x row of that entry, -1 where
-// none is here, and its router weight, for the reduced combine modes. One job = (q, kTableTokens tokens): for each
+// none is here, and its router weight, for the reduced combine modes. One job = (q, kTableTokens tokens), on the
+// grid's last blocks (the rows start at block 0, so at decode the jobs run beside them, not in front): for each
 // local expert, the list entries of those tokens (a binary search: a list is in token order) mark their rows in shared
 // memory, then the job writes all its slots, so every slot is written each round without a grid-wide barrier. Entries
 // from a peer are bounded (t in the job, k < R, i < the checked count) before they are followed.
@@ -127,7 +151,7 @@ __device__ void FillRouteTable(const KernelArgs& a, const int* start, const int*
   const int chunks = (s.max_tokens + kTableTokens - 1) / kTableTokens;
   int32_t* rows = route + RouteTableOffset(s);
   float* weights = reinterpret_cast<float*>(route + RouteWeightsOffset(s));
-  for (int job = blockIdx.x; job < n * chunks; job += gridDim.x) {
+  for (int job = gridDim.x - 1 - blockIdx.x; job < n * chunks; job += gridDim.x) {
     const int q = job / chunks, t0 = (job - q * chunks) * kTableTokens;
     const int tn = s.max_tokens - t0 < kTableTokens ? s.max_tokens - t0 : kTableTokens;
     for (int j = threadIdx.x; j < kTableTokens * r; j += blockDim.x) tab[j] = -1;
@@ -136,8 +160,9 @@ __device__ void FillRouteTable(const KernelArgs& a, const int* start, const int*
       for (int e = threadIdx.x; e < l; e += blockDim.x) {
         const int f = e * n + q, count = start[f + 1] - start[f];
         const int32_t* lst = list + (static_cast<size_t>(q) * l + e) * s.max_tokens;
-        const int hi = LowerBound(lst, count, (t0 + tn) * r);
-        for (int i = LowerBound(lst, count, t0 * r); i < hi; ++i) {
+        int lo, hi;
+        LowerBounds(lst, count, t0 * r, (t0 + tn) * r, lo, hi);
+        for (int i = lo; i < hi; ++i) {
           const int tk = __ldcg(lst + i);
           const int t = tk / r - t0, k = tk - (tk / r) * r;
           if (tk >= 0 && t >= 0 && t < tn) tab[t * r + k] = start[f] + i;
@@ -164,14 +189,20 @@ __device__ void FillRouteTable(const KernelArgs& a, const int* start, const int*
 
 // dispatch_recv. Every block waits for the senders, then lays out the contract order in shared memory: block
 // f = e * n + s (local expert e, sender s) starts at start[f]. One warp per expert_x row: rows below the total are
-// copied from the sender's token. The padding rows after them are left as they are (kPadLeave: the contract leaves
+// copied from the sender's token (row and scales in one batch of loads). The padding rows after them are left as they are (kPadLeave: the contract leaves
 // them unspecified, and writing them was half of this kernel's HBM traffic at decode), zeroed (kPadZero:
 // MoEConfig.zero_padding) or filled with NaN (kPadPoison, tests). Rows below the total whose entry is bad are zeroed.
 // Counts and list entries come from peers: anything out of range is dropped, never followed, and reported
 // (kBadPeerData).
-__global__ void __launch_bounds__(kThreads)
-    DispatchRecvKernel(KernelArgs a, int padding, const uint8_t* x, const uint8_t* xs, const float* w, int x_tokens,
-                       uint8_t* ox, uint8_t* os, int32_t* ocounts, int32_t* route) {
+__device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io) {
+  const int padding = io.padding, x_tokens = io.x_tokens;
+  const uint8_t* x = static_cast<const uint8_t*>(io.x);
+  const uint8_t* xs = static_cast<const uint8_t*>(io.x_scale);
+  const float* w = io.topk_weights;
+  uint8_t* ox = static_cast<uint8_t*>(io.expert_x);
+  uint8_t* os = static_cast<uint8_t*>(io.expert_x_scale);
+  int32_t* ocounts = io.counts;
+  int32_t* route = io.route;
   extern __shared__ int smem[];
   const MoeShape& s = a.s;
   const int n = s.num_ranks, l = s.local_experts, blocks = s.num_experts;
@@ -291,11 +322,10 @@ __global__ void __launch_bounds__(kThreads)
           q == a.rank      ? x + static_cast<size_t>(t) * s.x_bytes()
           : IsRemote(a, q) ? RecvRegion(fab, a, epoch, q) + FabricRecordsOffset(s) + static_cast<size_t>(t) * s.dispatch_row_bytes()
                            : toks + (static_cast<size_t>(q) * s.max_tokens + t) * RecordBytes(s);
-      WarpCopy16(ox + i * s.x_bytes(), src, s.x_bytes(), lane);
-      if (os) {
-        const uint8_t* src_scale = q == a.rank ? xs + static_cast<size_t>(t) * s.scale_bytes() : src + s.x_bytes();
-        WarpCopy4(os + i * s.scale_bytes(), src_scale, s.scale_bytes(), lane);
-      }
+      // The scales' loads go first and their stores last, so that they wait out one latency with the row's.
+      const uint8_t* src_scale = !os ? nullptr : q == a.rank ? xs + static_cast<size_t>(t) * s.scale_bytes() : src + s.x_bytes();
+      CopyRecord(ox + i * s.x_bytes(), src, s.x_bytes(), os ? os + i * s.scale_bytes() : nullptr, src_scale,
+                 s.scale_bytes(), lane);
       if (lane == 0) route[i] = static_cast<int32_t>(q * entries + tk);
     }
   }
@@ -305,6 +335,31 @@ __global__ void __launch_bounds__(kThreads)
       if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchAck) + a.rank, epoch);
     if (a.num_remote) StoreReleaseSys(fab.bell + proxy::kRead, epoch);  // the proxy gives the senders credit
   });
+}
+
+__global__ void __launch_bounds__(kThreads) DispatchSendKernel(KernelArgs a, DispatchSendIo io) { DispatchSendBody(a, io); }
+
+__global__ void __launch_bounds__(kThreads, 2) DispatchRecvKernel(KernelArgs a, DispatchRecvIo io) { DispatchRecvBody(a, io); }
+
+// The one-shot dispatch where every rank is on this node. The send body's last block raises this rank's flags (its
+// own included) as the send kernel's would, and every block then waits for them in the receive body: launched
+// cooperatively, so the blocks that wait never keep a block of the send from running.
+__global__ void __launch_bounds__(kThreads, 2) DispatchKernel(KernelArgs a, DispatchSendIo send, DispatchRecvIo recv) {
+  DispatchSendBody(a, send);
+  DispatchRecvBody(a, recv);
+}
+
+size_t DispatchRecvSmem(const MoeShape& s) {
+  return sizeof(int) * (s.num_experts + 1 + s.num_ranks + 32 + s.num_experts + s.num_ranks +
+                        kTableTokens * s.experts_per_token);
+}
+
+int TableJobs(const MoeShape& s) { return s.num_ranks * ((s.max_tokens + kTableTokens - 1) / kTableTokens); }
+
+template <typename Kernel>
+cudaError_t AllowSmem(Kernel kernel, size_t smem) {
+  if (smem <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
 }
 
 }  // namespace
@@ -317,39 +372,47 @@ LaunchShape DispatchSendShape(const KernelArgs& a, int tokens) {
 }
 
 LaunchShape DispatchRecvShape(const KernelArgs& a) {
-  // A warp per expert_x row (two rows a warp per block's share).
-  return {GridFor(a.s.max_recv_rows(), kWarps * 2, a.num_sms), kThreads};
+  // A warp per expert_x row, and after them a block per route-table job (they start from the grid's end).
+  const long long row_blocks = (a.s.max_recv_rows() + kWarps - 1) / kWarps;
+  return {GridFor((row_blocks + TableJobs(a.s)) * kWarps, kWarps, a.num_sms), kThreads};
 }
 
-cudaError_t LaunchDispatchSend(const KernelArgs& a, int tokens, const void* x, const void* x_scale,
-                               const float* topk_weights, const int32_t* topk_idx, int32_t* ticket,
-                               cudaStream_t stream) {
-  const int grid = DispatchSendShape(a, tokens).blocks;
+LaunchShape DispatchShape(const KernelArgs& a, int tokens) {
+  if (a.num_remote > 0 || !OneKernelAllowed()) return {0, kThreads};
+  const int want = std::max(DispatchSendShape(a, tokens).blocks, DispatchRecvShape(a).blocks);
+  const int fit = ResidentBlocks(reinterpret_cast<const void*>(DispatchKernel), kThreads, DispatchRecvSmem(a.s), a.num_sms);
+  return {std::min(want, fit), kThreads};
+}
+
+cudaError_t LaunchDispatchSend(const KernelArgs& a, const DispatchSendIo& io, cudaStream_t stream) {
+  const int grid = DispatchSendShape(a, io.tokens).blocks;
   if (a.num_remote > 0) {  // first: it reads the epoch the NVLink kernel advances
-    if (cudaError_t err = LaunchDispatchPack(a, tokens, x, x_scale, topk_idx, stream); err != cudaSuccess) return err;
-  }
-  DispatchSendKernel<<<grid, kThreads, 0, stream>>>(a, tokens, static_cast<const uint8_t*>(x),
-                                                    static_cast<const uint8_t*>(x_scale), topk_weights, topk_idx,
-                                                    ticket);
-  return cudaGetLastError();
-}
-
-cudaError_t LaunchDispatchRecv(const KernelArgs& a, int padding, const void* x, const void* x_scale, const float* topk_weights,
-                               int x_tokens, void* expert_x, void* expert_x_scale, int32_t* counts, int32_t* route,
-                               cudaStream_t stream) {
-  const size_t smem = sizeof(int) * (a.s.num_experts + 1 + a.s.num_ranks + 32 + a.s.num_experts + a.s.num_ranks +
-                                     kTableTokens * a.s.experts_per_token);
-  if (smem > 48 * 1024) {
-    if (cudaError_t err = cudaFuncSetAttribute(DispatchRecvKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-        err != cudaSuccess)
+    if (cudaError_t err = LaunchDispatchPack(a, io.tokens, io.x, io.x_scale, io.topk_idx, stream); err != cudaSuccess)
       return err;
   }
-  const int grid = DispatchRecvShape(a).blocks;
-  DispatchRecvKernel<<<grid, kThreads, smem, stream>>>(
-      a, padding, static_cast<const uint8_t*>(x), static_cast<const uint8_t*>(x_scale), topk_weights, x_tokens,
-      static_cast<uint8_t*>(expert_x),
-      static_cast<uint8_t*>(expert_x_scale), counts, route);
+  DispatchSendKernel<<<grid, kThreads, 0, stream>>>(a, io);
   return cudaGetLastError();
+}
+
+cudaError_t LaunchDispatchRecv(const KernelArgs& a, const DispatchRecvIo& io, cudaStream_t stream) {
+  const size_t smem = DispatchRecvSmem(a.s);
+  if (cudaError_t err = AllowSmem(DispatchRecvKernel, smem); err != cudaSuccess) return err;
+  DispatchRecvKernel<<<DispatchRecvShape(a).blocks, kThreads, smem, stream>>>(a, io);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchDispatch(const KernelArgs& a, const DispatchSendIo& send, const DispatchRecvIo& recv,
+                           cudaStream_t stream) {
+  const size_t smem = DispatchRecvSmem(a.s);
+  if (cudaError_t err = AllowSmem(DispatchKernel, smem); err != cudaSuccess) return err;
+  const int grid = DispatchShape(a, send.tokens).blocks;
+  if (grid > 0) {
+    const cudaError_t err = LaunchCooperative(DispatchKernel, grid, kThreads, smem, stream, a, send, recv);
+    if (err != cudaErrorCooperativeLaunchTooLarge && err != cudaErrorNotSupported) return err;
+    (void)cudaGetLastError();  // the grid does not fit beside what else runs (MPS): the two kernels instead
+  }
+  if (cudaError_t err = LaunchDispatchSend(a, send, stream); err != cudaSuccess) return err;
+  return LaunchDispatchRecv(a, recv, stream);
 }
 
 }  // namespace jax_moe::cuda

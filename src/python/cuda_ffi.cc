@@ -187,6 +187,8 @@ void RegisterCuda(nb::module_& m) {
         put("combine_send", k::CombineSendShape(a, k::kWeighted));
         put("combine_send_per_entry", k::CombineSendShape(a, k::kPerEntry));
         put("combine_recv", k::CombineRecvShape(a, tokens));
+        put("dispatch", k::DispatchShape(a, tokens));  // the one-shot calls' one kernel (blocks 0: not fused)
+        put("combine", k::CombineShape(a, k::kWeighted, tokens));
         d["sms"] = a.num_sms;
         return d;
       },

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call verifies a commit on the lent GPU machine (docs/cuda.md, "Verification"):
 #   bash tests/gpu/device_run.sh [STAGES] [bench args...]
-# STAGES: comma-separated from build, cpu, gpu, demo, bench, proxy, overlap, nodes, ipc (default: build,cpu,gpu,demo). The full build uses the
+# STAGES: comma-separated from build, cpu, gpu, demo, bench, ep1, proxy, overlap, nodes, ipc (default: build,cpu,gpu,demo). The full build uses the
 # libfabric headers carried in third_party_headers/libfabric (the image has the runtime only). Logs go to $OUT (or
 # ./gpu_out); the last lines printed are "SUMMARY ..." lines, one per stage. NVLink multicast stays off.
 set -o pipefail
@@ -64,6 +64,12 @@ if has demo; then  # the README's demo on the GPUs: backend "auto" picks "cuda"
 fi
 if has bench; then
   stage bench ${BENCH_LIMIT_S:-400} python3 -m jax_moe.bench moe --out "$OUT/bench" "$@"
+fi
+if has ep1; then  # the one-shot calls as one kernel (default) against two kernels, with the device trace, on this machine's GPUs
+  stage ep1 ${EP1_LIMIT_S:-240} env JAX_MOE_CUDA_TRACE=1 python3 -m jax_moe.bench moe --backend cuda,xla \
+    --shape "${EP1_SHAPE:-decode,prefill}" --iters "${EP1_ITERS:-400}" --out "$OUT/ep1"
+  stage ep1_two_kernels ${EP1_LIMIT_S:-240} env JAX_MOE_CUDA_TRACE=1 JAX_MOE_CUDA_ONE_KERNEL=0 python3 -m jax_moe.bench \
+    moe --backend cuda --shape "${EP1_SHAPE:-decode,prefill}" --iters "${EP1_ITERS:-400}" --out "$OUT/ep1_two"
 fi
 if has proxy; then  # the host path alone (issue 13): proxy round trip and raw engine, fi_pingpong beside them
   [ -x "$LF/bin/fi_pingpong" ] && export PATH=$LF/bin:$PATH  # carried: the image has no libfabric-bin

@@ -96,13 +96,10 @@ ffi::Error CheckRows(const char* what, ffi::Span<const int64_t> dims, int64_t ro
   return ffi::Error::Success();
 }
 
-template <bool kGraph>
-ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, bool has_scale, bool has_weights,
-                            ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer topk_weights,
-                            ffi::Buffer<ffi::S32> topk_idx, ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
-  std::shared_ptr<const DeviceComm> dev;
-  if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
-  const KernelArgs& a = dev->args;
+// Each half's shape checks, filling the launch's arguments. A shape error is a caller's bug: nothing is launched.
+ffi::Error CheckDispatchSend(const KernelArgs& a, bool has_scale, bool has_weights, ffi::AnyBuffer x,
+                             ffi::AnyBuffer x_scale, ffi::AnyBuffer topk_weights, ffi::Buffer<ffi::S32> topk_idx,
+                             ffi::Result<ffi::Buffer<ffi::S32>>& ticket, DispatchSendIo& io) {
   const auto dims = x.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("jax_moe cuda: x must be [T, hidden]");
   const int64_t tokens = dims[0];
@@ -121,29 +118,19 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_i
     if (auto e = CheckWeights(topk_weights, tokens, a.s.experts_per_token); e.failure()) return e;
   }
   if (auto e = CheckTicket(ticket->element_count()); e.failure()) return e;
-  if constexpr (!kGraph) {
-    if (auto e = CheckStreamFree(*dev, 0, "dispatch_send"); e.failure()) return e;
-  }
-  ffi::Error launched = Launched(LaunchDispatchSend(a, static_cast<int>(tokens), x.untyped_data(),
-                                                    has_scale ? x_scale.untyped_data() : nullptr,
-                                                    has_weights ? static_cast<const float*>(topk_weights.untyped_data()) : nullptr,
-                                                    topk_idx.typed_data(), ticket->typed_data(), stream),
-                                 "dispatch_send");
-  if (!kGraph && launched.success()) dev->open_rounds[0].fetch_add(1, std::memory_order_relaxed);
-  return launched;
+  io.tokens = static_cast<int>(tokens);
+  io.x = x.untyped_data();
+  io.x_scale = has_scale ? x_scale.untyped_data() : nullptr;
+  io.topk_weights = has_weights ? static_cast<const float*>(topk_weights.untyped_data()) : nullptr;
+  io.topk_idx = topk_idx.typed_data();
+  io.ticket = ticket->typed_data();
+  return ffi::Error::Success();
 }
 
-template <bool kGraph>
-ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, bool has_scale, bool has_weights,
-                            int64_t padding,
-                            ffi::Buffer<ffi::S32> ticket, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
-                            ffi::AnyBuffer topk_weights,
-                            ffi::Result<ffi::AnyBuffer> expert_x,
-                            ffi::Result<ffi::AnyBuffer> expert_x_scale, ffi::Result<ffi::Buffer<ffi::S32>> counts,
-                            ffi::Result<ffi::Buffer<ffi::S32>> route) {
-  std::shared_ptr<const DeviceComm> dev;
-  if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
-  const KernelArgs& a = dev->args;
+ffi::Error CheckDispatchRecv(const KernelArgs& a, bool has_scale, bool has_weights, int64_t padding, ffi::AnyBuffer x,
+                             ffi::AnyBuffer x_scale, ffi::AnyBuffer topk_weights, ffi::Result<ffi::AnyBuffer>& expert_x,
+                             ffi::Result<ffi::AnyBuffer>& expert_x_scale, ffi::Result<ffi::Buffer<ffi::S32>>& counts,
+                             ffi::Result<ffi::Buffer<ffi::S32>>& route, DispatchRecvIo& io) {
   const int64_t rows = a.s.max_recv_rows();
   if (auto e = CheckRows("expert_x", expert_x->dimensions(), rows, a.s.x_bytes(),
                          ffi::ByteWidth(expert_x->element_type()), a.s.x_bytes());
@@ -172,53 +159,39 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_i
   }
   if (padding != kPadLeave && padding != kPadZero && padding != kPadPoison)
     return ffi::Error::InvalidArgument("jax_moe cuda: bad padding mode");
-  // Shapes first (a shape error is a caller's bug and launches nothing); then the device's earlier error is taken.
-  const DeviceReport earlier = TakeError(*dev);
-  ffi::Error launched =
-      Launched(LaunchDispatchRecv(a, static_cast<int>(padding), x.untyped_data(), has_scale ? x_scale.untyped_data() : nullptr,
-                                  has_weights ? static_cast<const float*>(topk_weights.untyped_data()) : nullptr,
-                                  static_cast<int>(x_tokens), expert_x->untyped_data(),
-                                  has_scale ? expert_x_scale->untyped_data() : nullptr, counts->typed_data(),
-                                  route->typed_data(), stream),
-               "dispatch_recv");
-  if (!kGraph && launched.success()) dev->open_rounds[0].fetch_sub(1, std::memory_order_relaxed);
-  return earlier.empty() ? std::move(launched) : ToFfi(earlier);
+  io.padding = static_cast<int>(padding);
+  io.x = x.untyped_data();
+  io.x_scale = has_scale ? x_scale.untyped_data() : nullptr;
+  io.topk_weights = has_weights ? static_cast<const float*>(topk_weights.untyped_data()) : nullptr;
+  io.x_tokens = static_cast<int>(x_tokens);
+  io.expert_x = expert_x->untyped_data();
+  io.expert_x_scale = has_scale ? expert_x_scale->untyped_data() : nullptr;
+  io.counts = counts->typed_data();
+  io.route = route->typed_data();
+  return ffi::Error::Success();
 }
 
-template <bool kGraph>
-ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, int64_t channel, int64_t mode,
-                           ffi::AnyBuffer expert_y, ffi::Buffer<ffi::S32> route,
-                           ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
-  std::shared_ptr<const DeviceComm> dev;
-  if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
-  const KernelArgs& a = dev->args;
-  const int64_t rows = a.s.max_recv_rows();
-  if (auto e = CheckRows("expert_y", expert_y.dimensions(), rows, a.s.combine_row_bytes(), ffi::ByteWidth(expert_y.element_type()),
-                         a.s.combine_row_bytes());
+ffi::Error CheckCombineSend(const KernelArgs& a, int64_t channel, int64_t mode, ffi::AnyBuffer expert_y,
+                            ffi::Buffer<ffi::S32> route, ffi::Result<ffi::Buffer<ffi::S32>>& ticket, CombineSendIo& io) {
+  if (auto e = CheckRows("expert_y", expert_y.dimensions(), a.s.max_recv_rows(), a.s.combine_row_bytes(),
+                         ffi::ByteWidth(expert_y.element_type()), a.s.combine_row_bytes());
       e.failure())
     return e;
   if (route.element_count() != size_t(RouteLength(a.s))) return ffi::Error::InvalidArgument("jax_moe cuda: bad route");
   if (channel < 0 || channel >= kCombineChannels) return ffi::Error::InvalidArgument("jax_moe cuda: bad channel");
   if (auto e = CheckMode(mode); e.failure()) return e;
   if (auto e = CheckTicket(ticket->element_count()); e.failure()) return e;
-  if constexpr (!kGraph) {
-    if (auto e = CheckStreamFree(*dev, 1 + static_cast<int>(channel), "combine_send"); e.failure()) return e;
-  }
-  ffi::Error launched = Launched(LaunchCombineSend(a, static_cast<int>(channel), static_cast<int>(mode), expert_y.untyped_data(),
-                                                   route.typed_data(), ticket->typed_data(), stream),
-                                 "combine_send");
-  if (!kGraph && launched.success()) dev->open_rounds[1 + channel].fetch_add(1, std::memory_order_relaxed);
-  return launched;
+  io.channel = static_cast<int>(channel);
+  io.mode = static_cast<int>(mode);
+  io.expert_y = expert_y.untyped_data();
+  io.route = route.typed_data();
+  io.ticket = ticket->typed_data();
+  return ffi::Error::Success();
 }
 
-template <bool kGraph>
-ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, int64_t channel, int64_t mode,
-                           ffi::Buffer<ffi::S32> ticket,
-                           ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> topk_idx,
-                           ffi::AnyBuffer expert_y, ffi::Result<ffi::AnyBuffer> out) {
-  std::shared_ptr<const DeviceComm> dev;
-  if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
-  const KernelArgs& a = dev->args;
+ffi::Error CheckCombineRecv(const KernelArgs& a, int64_t channel, int64_t mode, ffi::Buffer<ffi::F32> topk_weights,
+                            ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer expert_y, ffi::Result<ffi::AnyBuffer>& out,
+                            CombineRecvIo& io) {
   if (channel < 0 || channel >= kCombineChannels) return ffi::Error::InvalidArgument("jax_moe cuda: bad channel");
   if (auto e = CheckMode(mode); e.failure()) return e;
   const auto idims = topk_idx.dimensions();
@@ -234,30 +207,120 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id
                          ffi::ByteWidth(expert_y.element_type()), a.s.combine_row_bytes());
       e.failure())
     return e;
-  const DeviceReport earlier = TakeError(*dev);
-  ffi::Error launched = Launched(LaunchCombineRecv(a, static_cast<int>(channel), static_cast<int>(mode), static_cast<int>(tokens),
-                                                   topk_weights.typed_data(), topk_idx.typed_data(),
-                                                   expert_y.untyped_data(), out->untyped_data(), stream),
-                                 "combine_recv");
-  if (!kGraph && launched.success()) dev->open_rounds[1 + channel].fetch_sub(1, std::memory_order_relaxed);
+  io.channel = static_cast<int>(channel);
+  io.mode = static_cast<int>(mode);
+  io.tokens = static_cast<int>(tokens);
+  io.topk_weights = topk_weights.typed_data();
+  io.topk_idx = topk_idx.typed_data();
+  io.expert_y = expert_y.untyped_data();
+  io.out = out->untyped_data();
+  return ffi::Error::Success();
+}
+
+// A send half: refused while its stream holds a round never received; counts the round it opens.
+template <bool kGraph, typename LaunchFn>
+ffi::Error Send(const DeviceComm& dev, int stream, const char* op, LaunchFn launch) {
+  if constexpr (!kGraph) {
+    if (auto e = CheckStreamFree(dev, stream, op); e.failure()) return e;
+  }
+  ffi::Error launched = Launched(launch(), op);
+  if (!kGraph && launched.success()) dev.open_rounds[stream].fetch_add(1, std::memory_order_relaxed);
+  return launched;
+}
+
+// A recv half: reports the device's earlier error (after launching, so this device keeps its epochs in step); closes
+// the round.
+template <bool kGraph, typename LaunchFn>
+ffi::Error Recv(const DeviceComm& dev, int stream, const char* op, LaunchFn launch) {
+  const DeviceReport earlier = TakeError(dev);
+  ffi::Error launched = Launched(launch(), op);
+  if (!kGraph && launched.success()) dev.open_rounds[stream].fetch_sub(1, std::memory_order_relaxed);
   return earlier.empty() ? std::move(launched) : ToFfi(earlier);
 }
 
-// The one-shot calls (`comm.dispatch`, `comm.combine`): both halves from one handler, so their kernels follow each
-// other on the stream without the gap XLA leaves between two custom calls (~4 us on H200). The send's ticket is a
-// scratch result that the receive half reads, as it would between two calls.
+// A one-shot call: both halves' arguments are checked before anything is launched; the round opens and closes in it.
+template <bool kGraph, typename LaunchFn>
+ffi::Error OneShot(const DeviceComm& dev, int stream, const char* op, LaunchFn launch) {
+  if constexpr (!kGraph) {
+    if (auto e = CheckStreamFree(dev, stream, op); e.failure()) return e;
+  }
+  const DeviceReport earlier = TakeError(dev);
+  ffi::Error launched = Launched(launch(), op);
+  return earlier.empty() ? std::move(launched) : ToFfi(earlier);
+}
+
+template <bool kGraph>
+ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, bool has_scale, bool has_weights,
+                            ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer topk_weights,
+                            ffi::Buffer<ffi::S32> topk_idx, ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
+  std::shared_ptr<const DeviceComm> dev;
+  if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
+  DispatchSendIo io;
+  if (auto e = CheckDispatchSend(dev->args, has_scale, has_weights, x, x_scale, topk_weights, topk_idx, ticket, io);
+      e.failure())
+    return e;
+  return Send<kGraph>(*dev, 0, "dispatch_send", [&] { return LaunchDispatchSend(dev->args, io, stream); });
+}
+
+template <bool kGraph>
+ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, bool has_scale, bool has_weights,
+                            int64_t padding, ffi::Buffer<ffi::S32> ticket, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
+                            ffi::AnyBuffer topk_weights, ffi::Result<ffi::AnyBuffer> expert_x,
+                            ffi::Result<ffi::AnyBuffer> expert_x_scale, ffi::Result<ffi::Buffer<ffi::S32>> counts,
+                            ffi::Result<ffi::Buffer<ffi::S32>> route) {
+  std::shared_ptr<const DeviceComm> dev;
+  if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
+  DispatchRecvIo io;
+  if (auto e = CheckDispatchRecv(dev->args, has_scale, has_weights, padding, x, x_scale, topk_weights, expert_x,
+                                 expert_x_scale, counts, route, io);
+      e.failure())
+    return e;
+  return Recv<kGraph>(*dev, 0, "dispatch_recv", [&] { return LaunchDispatchRecv(dev->args, io, stream); });
+}
+
+template <bool kGraph>
+ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, int64_t channel, int64_t mode,
+                           ffi::AnyBuffer expert_y, ffi::Buffer<ffi::S32> route,
+                           ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
+  std::shared_ptr<const DeviceComm> dev;
+  if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
+  CombineSendIo io;
+  if (auto e = CheckCombineSend(dev->args, channel, mode, expert_y, route, ticket, io); e.failure()) return e;
+  return Send<kGraph>(*dev, 1 + io.channel, "combine_send", [&] { return LaunchCombineSend(dev->args, io, stream); });
+}
+
+template <bool kGraph>
+ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, int64_t channel, int64_t mode,
+                           ffi::Buffer<ffi::S32> ticket, ffi::Buffer<ffi::F32> topk_weights,
+                           ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer expert_y, ffi::Result<ffi::AnyBuffer> out) {
+  std::shared_ptr<const DeviceComm> dev;
+  if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
+  CombineRecvIo io;
+  if (auto e = CheckCombineRecv(dev->args, channel, mode, topk_weights, topk_idx, expert_y, out, io); e.failure())
+    return e;
+  return Recv<kGraph>(*dev, 1 + io.channel, "combine_recv", [&] { return LaunchCombineRecv(dev->args, io, stream); });
+}
+
+// The one-shot calls (`comm.dispatch`, `comm.combine`): both halves from one handler, as one kernel where every rank
+// is on this node (LaunchDispatch / LaunchCombine). The send's ticket is a scratch result.
 template <bool kGraph>
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, bool has_scale, bool has_weights,
                         int64_t padding, ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer topk_weights,
                         ffi::Buffer<ffi::S32> topk_idx, ffi::Result<ffi::Buffer<ffi::S32>> ticket,
                         ffi::Result<ffi::AnyBuffer> expert_x, ffi::Result<ffi::AnyBuffer> expert_x_scale,
                         ffi::Result<ffi::Buffer<ffi::S32>> counts, ffi::Result<ffi::Buffer<ffi::S32>> route) {
-  if (auto e = DispatchSendImpl<kGraph>(stream, ordinal, comm_id, has_scale, has_weights, x, x_scale, topk_weights,
-                                        topk_idx, ticket);
+  std::shared_ptr<const DeviceComm> dev;
+  if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
+  DispatchSendIo send;
+  DispatchRecvIo recv;
+  if (auto e = CheckDispatchSend(dev->args, has_scale, has_weights, x, x_scale, topk_weights, topk_idx, ticket, send);
       e.failure())
     return e;
-  return DispatchRecvImpl<kGraph>(stream, ordinal, comm_id, has_scale, has_weights, padding, *ticket, x, x_scale,
-                                  topk_weights, expert_x, expert_x_scale, counts, route);
+  if (auto e = CheckDispatchRecv(dev->args, has_scale, has_weights, padding, x, x_scale, topk_weights, expert_x,
+                                 expert_x_scale, counts, route, recv);
+      e.failure())
+    return e;
+  return OneShot<kGraph>(*dev, 0, "dispatch", [&] { return LaunchDispatch(dev->args, send, recv, stream); });
 }
 
 template <bool kGraph>
@@ -265,10 +328,14 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, in
                        ffi::AnyBuffer expert_y, ffi::Buffer<ffi::S32> route, ffi::Buffer<ffi::F32> topk_weights,
                        ffi::Buffer<ffi::S32> topk_idx, ffi::Result<ffi::Buffer<ffi::S32>> ticket,
                        ffi::Result<ffi::AnyBuffer> out) {
-  if (auto e = CombineSendImpl<kGraph>(stream, ordinal, comm_id, channel, mode, expert_y, route, ticket); e.failure())
+  std::shared_ptr<const DeviceComm> dev;
+  if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
+  CombineSendIo send;
+  CombineRecvIo recv;
+  if (auto e = CheckCombineSend(dev->args, channel, mode, expert_y, route, ticket, send); e.failure()) return e;
+  if (auto e = CheckCombineRecv(dev->args, channel, mode, topk_weights, topk_idx, expert_y, out, recv); e.failure())
     return e;
-  return CombineRecvImpl<kGraph>(stream, ordinal, comm_id, channel, mode, *ticket, topk_weights, topk_idx, expert_y,
-                                 out);
+  return OneShot<kGraph>(*dev, 1 + send.channel, "combine", [&] { return LaunchCombine(dev->args, send, recv, stream); });
 }
 
 // Passes `a` through (aliased) and stamps the device time once everything before it on the stream has finished.
