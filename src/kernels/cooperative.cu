@@ -26,9 +26,11 @@ int ResidentBlocks(const void* kernel, int threads, size_t smem, int num_sms) {
   return blocks;
 }
 
-bool OneKernelAllowed() {
+bool OneKernelAllowed(bool one_kernel) {
   const char* v = std::getenv("JAX_MOE_CUDA_ONE_KERNEL");
-  return v == nullptr || std::strcmp(v, "0") != 0;
+  if (v != nullptr && std::strcmp(v, "0") == 0) return false;
+  if (v != nullptr && std::strcmp(v, "force") == 0) return true;
+  return one_kernel;
 }
 
 }  // namespace jax_moe::cuda

@@ -12,9 +12,11 @@ namespace jax_moe::cuda {
 // `num_sms` SMs; 0 when the occupancy query fails. Cached per (kernel, threads, smem).
 int ResidentBlocks(const void* kernel, int threads, size_t smem, int num_sms);
 
-// Whether the one-shot calls may run as one kernel: JAX_MOE_CUDA_ONE_KERNEL=0 (read at every launch, so a benchmark
-// can compare both in one process) launches the two halves' kernels instead.
-bool OneKernelAllowed();
+// Whether the one-shot calls may run as one kernel: `one_kernel` (KernelArgs: no peer shares this GPU) unless
+// JAX_MOE_CUDA_ONE_KERNEL says otherwise ("0": never, so a benchmark can compare both in one process; "force": also
+// beside a peer on this GPU, safe only when the processes are time-sliced, not under MPS: for tests). Read at every
+// launch.
+bool OneKernelAllowed(bool one_kernel);
 
 // Launches `kernel` cooperatively (every block resident, or the launch fails and nothing runs).
 template <typename... Params, typename... Args>

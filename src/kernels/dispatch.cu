@@ -378,7 +378,7 @@ LaunchShape DispatchRecvShape(const KernelArgs& a) {
 }
 
 LaunchShape DispatchShape(const KernelArgs& a, int tokens) {
-  if (a.num_remote > 0 || !OneKernelAllowed()) return {0, kThreads};
+  if (a.num_remote > 0 || !OneKernelAllowed(a.one_kernel != 0)) return {0, kThreads};
   const int want = std::max(DispatchSendShape(a, tokens).blocks, DispatchRecvShape(a).blocks);
   const int fit = ResidentBlocks(reinterpret_cast<const void*>(DispatchKernel), kThreads, DispatchRecvSmem(a.s), a.num_sms);
   return {std::min(want, fit), kThreads};

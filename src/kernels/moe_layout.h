@@ -175,6 +175,10 @@ struct KernelArgs {
   int trace = 0;                    // record the device-side trace (see kTraceRing)
   unsigned int remote[4] = {0, 0, 0, 0};  // bit p: rank p is on another node (reached through the host proxy)
   int num_remote = 0;
+  // The one-shot calls may run as one cooperative kernel (moe_kernels.h LaunchDispatch). 0 when a peer's buffer lives
+  // on this same GPU (two processes sharing it, under MPS): this grid, resident and waiting for the peer's flags,
+  // could keep the peer's grid from ever becoming resident.
+  int one_kernel = 1;
   FabricArgs fab[kFabricStreams];   // dispatch, combine channel 0, 1 (when num_remote > 0)
 };
 

@@ -30,11 +30,11 @@ def _gpus() -> int:
     return len(jax.devices("gpu"))
 
 
-def _run_workers(nproc: int, ranks_per_node: int, provider: str, rng) -> None:
+def _run_workers(nproc: int, ranks_per_node: int, provider: str, rng, **extra_env: str) -> None:
     gpus = min(_gpus(), 2)
     port, seed = free_port(), int(rng.integers(1 << 30))
     env = dict(_SHARED, MP_WORKER_GPUS=str(gpus), JAX_MOE_RANKS_PER_NODE=str(ranks_per_node),
-               JAX_MOE_FABRIC_PROVIDER=provider)
+               JAX_MOE_FABRIC_PROVIDER=provider, **extra_env)
     outs = launch("mp_worker.py", [(i, nproc, port, 1, "cuda", seed) for i in range(nproc)], timeout_s=400, env=env)
     for i, out in enumerate(outs):
         assert f"OK process {i}/{nproc} devices={nproc} backend=cuda" in out, out[-3000:]
@@ -48,11 +48,14 @@ def test_two_processes_as_two_nodes(provider, rng):
 
 
 @pytest.mark.multiprocess
-def test_two_processes_in_one_node(rng):
+@pytest.mark.parametrize("one_kernel", ["auto", "force"])
+def test_two_processes_in_one_node(one_kernel, rng):
     """2 processes, one node: the NVLink kernels between processes (CUDA IPC), on one GPU both ranks in its memory.
     The worker's round trips take the weights at combine (rows per (t, k)) and at dispatch (summed per token and
-    rank at the expert rank), and dispatch's transpose sums with unit weights."""
-    _run_workers(2, 2, "shm", rng)
+    rank at the expert rank), and dispatch's transpose sums with unit weights. The one-shot calls run as two kernels
+    where the peer shares the GPU ("auto"); "force" runs them as one kernel anyway (safe here: without MPS the two
+    processes are time-sliced), so that one GPU checks the one-kernel path between ranks too."""
+    _run_workers(2, 2, "shm", rng, JAX_MOE_CUDA_ONE_KERNEL=one_kernel)
 
 
 @pytest.mark.multiprocess
