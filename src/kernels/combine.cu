@@ -23,6 +23,8 @@ constexpr int kFusedRecvVecs = 2;
 constexpr int kRecvVecs = 1;
 constexpr int kRecvThreads = 128;
 __host__ __device__ constexpr int PieceVecs(int vecs_a_lane) { return 32 * vecs_a_lane; }
+constexpr int kItemPieces = 4;  // pieces of one warp item at most
+constexpr int kRecvBlocksPerSm = 6;  // CombineRecvKernel's launch bound
 
 // SendSums' pieces: 2 KiB (4 vectors a lane), so that 32 float32 sums a lane keep the kernel at two blocks an SM.
 constexpr int kSumVecs = 4, kSumBytes = kSumVecs * 32 * 16;
@@ -237,7 +239,9 @@ __device__ void CombineRecvBody(const KernelArgs& a, const CombineRecvIo& io) {
   const int vecs = s.combine_row_bytes() >> 4;  // 8 bf16 per 16-byte vector
   const int pieces = (vecs + kPieceVecs - 1) / kPieceVecs;
   const int warps = static_cast<int>(gridDim.x * (blockDim.x >> 5));
-  const int groups = max(1, min(pieces, tokens > 0 ? warps / tokens : 1));
+  // At least enough groups that an item holds kItemPieces pieces or fewer (many small items keep the grid-stride loop
+  // balanced at prefill), more where the grid has warps to spare (decode).
+  const int groups = max((pieces + kItemPieces - 1) / kItemPieces, min(pieces, tokens > 0 ? warps / tokens : 1));
   const int per_group = (pieces + groups - 1) / groups;
   for (long long item = static_cast<long long>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
        item < static_cast<long long>(tokens) * groups; item += warps) {
@@ -336,7 +340,7 @@ __device__ void CombineRecvBody(const KernelArgs& a, const CombineRecvIo& io) {
 
 __global__ void __launch_bounds__(kThreads) CombineSendKernel(KernelArgs a, CombineSendIo io) { CombineSendBody(a, io); }
 
-__global__ void __launch_bounds__(kRecvThreads, 6) CombineRecvKernel(KernelArgs a, CombineRecvIo io) {
+__global__ void __launch_bounds__(kRecvThreads, kRecvBlocksPerSm) CombineRecvKernel(KernelArgs a, CombineRecvIo io) {
   CombineRecvBody<kRecvVecs>(a, io);
 }
 
@@ -369,7 +373,9 @@ long long RecvItems(const KernelArgs& a, int tokens, int vecs_a_lane) {
 
 LaunchShape CombineRecvShape(const KernelArgs& a, int tokens) {
   const long long blocks = (RecvItems(a, tokens, kRecvVecs) + kRecvThreads / 32 - 1) / (kRecvThreads / 32);
-  return {static_cast<int>(std::max(1LL, std::min(blocks, 8LL * a.num_sms))), kRecvThreads};
+  // One resident wave at most: a second, partial wave left a 60 us tail at prefill; grid-stride items take the rest.
+  return {static_cast<int>(std::max(1LL, std::min(blocks, static_cast<long long>(kRecvBlocksPerSm) * a.num_sms))),
+          kRecvThreads};
 }
 
 namespace {
