@@ -175,13 +175,6 @@ void ConnectComm(int64_t id, int ordinal, const std::vector<PeerSpec>& peers) {
         Check(cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
         dev->ipc_mapped.push_back(mapped);
         table[i] = static_cast<uint8_t*>(mapped);
-        cudaPointerAttributes where{};
-        if (cudaPointerGetAttributes(&where, mapped) != cudaSuccess) {
-          (void)cudaGetLastError();
-          a.one_kernel = 0;  // unknown: the safe choice
-        } else if (where.device == ordinal) {
-          a.one_kernel = 0;  // the peer's buffer is on this GPU (see KernelArgs)
-        }
         break;
       }
       case PeerKind::kRemote:

@@ -45,7 +45,7 @@ DeviceReport Report(const DeviceComm& dev, unsigned long long word) {
     case kBadPeerData:
       return {true, ErrorCode::kPeerFailed,
               "jax_moe cuda: " + Name(dev, detail) +
-                  " sent token counts or lists that do not fit this Communicator's buffers (its data was dropped); "
+                  " sent token counts or lists that are out of range or out of token order (its data was dropped); "
                   "results of that call are incomplete"};
     case kProxyFailed: {
       const std::string why = dev.fabric ? dev.fabric->Error() : std::string();

@@ -1,14 +1,15 @@
 // combine_send (expert rows back to the tokens' owners: per (t, k) entry, or per (token, rank) weighted and summed at
 // the expert rank, see CombineMode) and combine_recv (wait, float32 weighted sum per token), plus the time-stamp kernel
-// of the benchmark. Each half is a block-level body: the one-shot combine (every rank on this node) runs both in one
+// of the benchmark. Each half is a body run per part: the one-shot combine (every rank on this node) runs both in one
 // kernel.
 #include <cuda_bf16.h>
 
-#include "kernels/cooperative.h"
 #include "kernels/copy.cuh"
 #include "kernels/fabric_kernels.h"
 #include "kernels/grid.h"
 #include "kernels/moe_kernels.h"
+#include "kernels/one_kernel.h"
+#include "kernels/queue.cuh"
 #include "kernels/sync.cuh"
 
 #include <algorithm>
@@ -26,6 +27,26 @@ __host__ __device__ constexpr int PieceVecs(int vecs_a_lane) { return 32 * vecs_
 constexpr int kItemPieces = 4;  // pieces of one warp item at most
 constexpr int kRecvBlocksPerSm = 6;  // CombineRecvKernel's launch bound
 
+// acc += w * v, v's 8 bf16 widened to float32.
+__device__ __forceinline__ void FmaBf16(float (&acc)[8], float w, const int4& v) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __bfloat1622float2(h[j]);
+    acc[2 * j] = fmaf(w, f.x, acc[2 * j]);
+    acc[2 * j + 1] = fmaf(w, f.y, acc[2 * j + 1]);
+  }
+}
+
+// Eight float32 sums as one 16-byte vector of bf16 (round to nearest even).
+__device__ __forceinline__ int4 PackBf16(const float (&acc)[8]) {
+  int4 o;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+  return o;
+}
+
 // SendSums' pieces: 2 KiB (4 vectors a lane), so that 32 float32 sums a lane keep the kernel at two blocks an SM.
 constexpr int kSumVecs = 4, kSumBytes = kSumVecs * 32 * 16;
 
@@ -34,7 +55,7 @@ constexpr int kSumVecs = 4, kSumBytes = kSumVecs * 32 * 16;
 // weights dispatch carried (kWeighted) or by 1 (kUnit), in float32, and writes one bf16 row into q's entry of the
 // token's first k here (combine_recv knows it from topk_idx). Rows come from the route table of dispatch_recv; rows
 // at or past `total` (a route not from dispatch_recv) are skipped.
-__device__ void SendSums(const KernelArgs& a, int ch, int mode, const uint8_t* y, const int32_t* route, long long total) {
+__device__ void SendSums(const KernelArgs& a, Part part, int ch, int mode, const uint8_t* y, const int32_t* route, long long total) {
   const MoeShape& s = a.s;
   const int r = s.experts_per_token, lane = threadIdx.x & 31;
   const long long entries = s.entries();
@@ -42,12 +63,12 @@ __device__ void SendSums(const KernelArgs& a, int ch, int mode, const uint8_t* y
   const float* weights = reinterpret_cast<const float*>(route + RouteWeightsOffset(s));
   int32_t* self = reinterpret_cast<int32_t*>(a.base + a.lay.self) + ch * entries;
   const int32_t* own = rows + a.rank * entries;
-  for (long long j = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; j < entries;
-       j += static_cast<long long>(gridDim.x) * blockDim.x)
+  for (long long j = static_cast<long long>(part.id) * blockDim.x + threadIdx.x; j < entries;
+       j += static_cast<long long>(part.count) * blockDim.x)
     self[j] = own[j] < total ? own[j] : -1;
   const int row_bytes = s.combine_row_bytes(), chunks = (row_bytes + kSumBytes - 1) / kSumBytes;
   const long long items = static_cast<long long>(s.num_ranks) * s.max_tokens * chunks;
-  for (long long item = blockIdx.x * kWarps + (threadIdx.x >> 5); item < items; item += gridDim.x * kWarps) {
+  for (long long item = part.id * kWarps + (threadIdx.x >> 5); item < items; item += part.count * kWarps) {
     const long long pair = item / chunks;
     const int off = static_cast<int>(item - pair * chunks) * kSumBytes;
     const int q = static_cast<int>(pair / s.max_tokens), t = static_cast<int>(pair - static_cast<long long>(q) * s.max_tokens);
@@ -81,31 +102,17 @@ __device__ void SendSums(const KernelArgs& a, int ch, int mode, const uint8_t* y
       for (int u = 0; u < kSumVecs; ++u)
         if (lane + 32 * u < vecs) v[u] = LoadCg(src + lane + 32 * u);
 #pragma unroll
-      for (int u = 0; u < kSumVecs; ++u) {
-        if (lane + 32 * u >= vecs) continue;
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __bfloat1622float2(h[j]);
-          acc[u][2 * j] = fmaf(wk, f.x, acc[u][2 * j]);
-          acc[u][2 * j + 1] = fmaf(wk, f.y, acc[u][2 * j + 1]);
-        }
-      }
+      for (int u = 0; u < kSumVecs; ++u)
+        if (lane + 32 * u < vecs) FmaBf16(acc[u], wk, v[u]);
     }
     int4* dst = reinterpret_cast<int4*>(Peer(a, q) + a.lay.comb + (ch * entries + static_cast<long long>(t) * r + first) * row_bytes + off);
 #pragma unroll
-    for (int u = 0; u < kSumVecs; ++u) {
-      if (lane + 32 * u >= vecs) continue;
-      int4 o;
-      __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) oh[j] = __floats2bfloat162_rn(acc[u][2 * j], acc[u][2 * j + 1]);
-      dst[lane + 32 * u] = o;
-    }
+    for (int u = 0; u < kSumVecs; ++u)
+      if (lane + 32 * u < vecs) dst[lane + 32 * u] = PackBf16(acc[u]);
   }
 }
 
-__device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io) {
+__device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Part part) {
   const int ch = io.channel, mode = io.mode;
   const uint8_t* y = static_cast<const uint8_t*>(io.expert_y);
   const int32_t* route = io.route;
@@ -119,13 +126,13 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io) {
   const int half = kCombineSend + 2 * ch, flag = kCombineFlag + 2 * ch, ack = kCombineAck + 2 * ch;
   const unsigned long long epoch = Local(a)->epoch[half] + 1;
   const FabricArgs& fab = a.fab[1 + ch];
-  TraceBlock0(a, half, epoch, kTraceStart);
+  TracePart0(a, part, half, epoch, kTraceStart);
   // The token owners must have summed the previous epoch before their combine areas are overwritten.
   if (threadIdx.x < n && !IsRemote(a, threadIdx.x))
     WaitAtLeast(a, Flags(a.base, a, ack) + threadIdx.x, epoch - 1, ack * kWaitStride + threadIdx.x);
   if (threadIdx.x == 0)
     free_ok = a.num_remote == 0 ||
-              WaitFabric(a, fab, proxy::kSent, epoch - kFabricLanes, ack * kWaitStride + FirstRemote(a), 1 + ch);
+              WaitFabric(a, fab, proxy::kSent, epoch - kFabricLanes, ack * kWaitStride + FirstRemote(a), 1 + ch, part);
   const long long rows = s.max_recv_rows(), entries = s.entries();
   if (a.num_remote > 0) {
     for (int f = threadIdx.x; f <= blocks; f += blockDim.x) sstart[f] = route[rows + 1 + f];
@@ -140,7 +147,7 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io) {
         at += c > 0 ? c : 0;
       }
       if (at > s.rows_per_peer()) at = s.rows_per_peer();
-      if (blockIdx.x == 0 && free_ok) {
+      if (part.id == 0 && free_ok) {
         uint8_t* region = SendRegion(fab, a, epoch, q);
         StoreHeader(region, fab, a, epoch, static_cast<int>(at));
         fab.bytes[(epoch % kFabricLanes) * n + q] = FabricHeaderBytes(s) + static_cast<unsigned long long>(at) * s.combine_row_bytes();
@@ -148,14 +155,14 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io) {
     }
   }
   __syncthreads();
-  TraceBlock0(a, half, epoch, kTraceWaited);
+  TracePart0(a, part, half, epoch, kTraceWaited);
   long long total = route[rows];
   total = total < 0 ? 0 : (total > rows ? rows : total);
   const int lane = threadIdx.x & 31;
   const int chunks = ChunksOf(s.combine_row_bytes());
   // Per row: every row in kPerEntry, else only the rows of ranks on other nodes.
   const long long items = mode != kPerEntry && a.num_remote == 0 ? 0 : total * chunks;
-  for (long long item = blockIdx.x * kWarps + (threadIdx.x >> 5); item < items; item += gridDim.x * kWarps) {
+  for (long long item = part.id * kWarps + (threadIdx.x >> 5); item < items; item += part.count * kWarps) {
     const long long i = item / chunks;
     const int off = static_cast<int>(item - i * chunks) * kChunkBytes;
     const int from = route[i];
@@ -184,8 +191,8 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io) {
     const int bytes = s.combine_row_bytes() - off < kChunkBytes ? s.combine_row_bytes() - off : kChunkBytes;
     WarpCopy16(Peer(a, q) + a.lay.comb + (ch * entries + tk) * s.combine_row_bytes() + off, y + i * s.combine_row_bytes() + off, bytes, lane);
   }
-  if (mode != kPerEntry) SendSums(a, ch, mode, y, route, total);
-  FinishBlock(a, half, [&](LocalSync* ls) {
+  if (mode != kPerEntry) SendSums(a, part, ch, mode, y, route, total);
+  FinishPart(a, part, half, [&](LocalSync* ls) {
     for (int p = 0; p < n; ++p)
       if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, flag) + a.rank, epoch);
     if (a.num_remote > 0 && !ls->timed_out) StoreReleaseSys(fab.bell + proxy::kRung, epoch);
@@ -201,7 +208,7 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io) {
 // first k on that peer), then every lane sums its vectors over the entries with 8 entries' loads in flight. A token's
 // pieces are split over as many warps as the grid has per token, so that decode's few tokens still use every warp.
 template <int kVecs>
-__device__ void CombineRecvBody(const KernelArgs& a, const CombineRecvIo& io) {
+__device__ void CombineRecvBody(const KernelArgs& a, const CombineRecvIo& io, Part part) {
   constexpr int kPieceVecs = PieceVecs(kVecs);
   extern __shared__ uint8_t smem[];
   int* pok = reinterpret_cast<int*>(smem);  // [n] remote rank p's region is valid
@@ -217,33 +224,33 @@ __device__ void CombineRecvBody(const KernelArgs& a, const CombineRecvIo& io) {
   const FabricArgs& fab = a.fab[1 + ch];
   const int32_t* fpos = reinterpret_cast<const int32_t*>(a.base + a.lay.fpos) + static_cast<size_t>(ch) * s.entries();
   const int32_t* fexp = reinterpret_cast<const int32_t*>(a.base + a.lay.fexp) + ch * s.num_ranks;
-  TraceBlock0(a, half, epoch, kTraceStart);
+  TracePart0(a, part, half, epoch, kTraceStart);
   if (threadIdx.x < s.num_ranks && !IsRemote(a, threadIdx.x))
     WaitAtLeast(a, Flags(a.base, a, flag) + threadIdx.x, epoch, flag * kWaitStride + threadIdx.x);
   if (threadIdx.x == 0)
     fab_ok = a.num_remote == 0 ||
-             WaitFabric(a, fab, proxy::kArrived, epoch, flag * kWaitStride + FirstRemote(a), 1 + ch);
+             WaitFabric(a, fab, proxy::kArrived, epoch, flag * kWaitStride + FirstRemote(a), 1 + ch, part);
   __syncthreads();
   if (threadIdx.x < s.num_ranks && IsRemote(a, threadIdx.x)) {  // the region holds exactly the rows we expect
     const int p = threadIdx.x;
     const proxy::RegionHeader h = LoadHeader(RecvRegion(fab, a, epoch, p));
     pok[p] = fab_ok && HeaderOk(h, fab, epoch, p, s.rows_per_peer()) && h.rows == fexp[p];
-    if (fab_ok && !pok[p] && blockIdx.x == 0) RaiseError(a, kBadPeerData, p);
+    if (fab_ok && !pok[p] && part.id == 0) RaiseError(a, kBadPeerData, p);
   }
   __syncthreads();
-  TraceBlock0(a, half, epoch, kTraceWaited);
+  TracePart0(a, part, half, epoch, kTraceWaited);
   const int r = s.experts_per_token, l = s.local_experts, lane = threadIdx.x & 31;
   const long long entries = s.entries();
   const uint8_t* comb = a.base + a.lay.comb + static_cast<size_t>(ch) * entries * s.combine_row_bytes();
   const int32_t* self = reinterpret_cast<const int32_t*>(a.base + a.lay.self) + ch * entries;
   const int vecs = s.combine_row_bytes() >> 4;  // 8 bf16 per 16-byte vector
   const int pieces = (vecs + kPieceVecs - 1) / kPieceVecs;
-  const int warps = static_cast<int>(gridDim.x * (blockDim.x >> 5));
+  const int warps = static_cast<int>(part.count * (blockDim.x >> 5));
   // At least enough groups that an item holds kItemPieces pieces or fewer (many small items keep the grid-stride loop
   // balanced at prefill), more where the grid has warps to spare (decode).
   const int groups = max((pieces + kItemPieces - 1) / kItemPieces, min(pieces, tokens > 0 ? warps / tokens : 1));
   const int per_group = (pieces + groups - 1) / groups;
-  for (long long item = static_cast<long long>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  for (long long item = static_cast<long long>(part.id) * (blockDim.x >> 5) + (threadIdx.x >> 5);
        item < static_cast<long long>(tokens) * groups; item += warps) {
     const int t = static_cast<int>(item / groups);
     const int p0 = static_cast<int>(item - static_cast<long long>(t) * groups) * per_group;
@@ -307,30 +314,17 @@ __device__ void CombineRecvBody(const KernelArgs& a, const CombineRecvIo& io) {
         for (int u = 0; u < 8; ++u) {
           if (wu[u] == 0.f) continue;
 #pragma unroll
-          for (int q = 0; q < kVecs; ++q) {
-            if (c0 + 32 * q >= vecs) continue;
-            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[u][q]);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const float2 f = __bfloat1622float2(h[j]);
-              acc[q][2 * j] = fmaf(wu[u], f.x, acc[q][2 * j]);
-              acc[q][2 * j + 1] = fmaf(wu[u], f.y, acc[q][2 * j + 1]);
-            }
-          }
+          for (int q = 0; q < kVecs; ++q)
+            if (c0 + 32 * q < vecs) FmaBf16(acc[q], wu[u], v[u][q]);
         }
       }
 #pragma unroll
-      for (int q = 0; q < kVecs; ++q) {
-        if (c0 + 32 * q >= vecs) continue;
-        int4 o;
-        __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) oh[j] = __floats2bfloat162_rn(acc[q][2 * j], acc[q][2 * j + 1]);
-        reinterpret_cast<int4*>(out + static_cast<size_t>(t) * s.combine_row_bytes())[c0 + 32 * q] = o;
-      }
+      for (int q = 0; q < kVecs; ++q)
+        if (c0 + 32 * q < vecs)
+          reinterpret_cast<int4*>(out + static_cast<size_t>(t) * s.combine_row_bytes())[c0 + 32 * q] = PackBf16(acc[q]);
     }
   }
-  FinishBlock(a, half, [&](LocalSync* ls) {
+  FinishPart(a, part, half, [&](LocalSync* ls) {
     ls->epoch[half] = epoch;
     for (int p = 0; p < s.num_ranks; ++p)
       if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, ack) + a.rank, epoch);
@@ -338,16 +332,21 @@ __device__ void CombineRecvBody(const KernelArgs& a, const CombineRecvIo& io) {
   });
 }
 
-__global__ void __launch_bounds__(kThreads) CombineSendKernel(KernelArgs a, CombineSendIo io) { CombineSendBody(a, io); }
-
-__global__ void __launch_bounds__(kRecvThreads, kRecvBlocksPerSm) CombineRecvKernel(KernelArgs a, CombineRecvIo io) {
-  CombineRecvBody<kRecvVecs>(a, io);
+__global__ void __launch_bounds__(kThreads) CombineSendKernel(KernelArgs a, CombineSendIo io) {
+  CombineSendBody(a, io, BlockPart());
 }
 
-// The one-shot combine where every rank is on this node (cooperative: see DispatchKernel).
-__global__ void __launch_bounds__(kThreads, 2) CombineKernel(KernelArgs a, CombineSendIo send, CombineRecvIo recv) {
-  CombineSendBody(a, send);
-  CombineRecvBody<kFusedRecvVecs>(a, recv);
+__global__ void __launch_bounds__(kRecvThreads, kRecvBlocksPerSm) CombineRecvKernel(KernelArgs a, CombineRecvIo io) {
+  CombineRecvBody<kRecvVecs>(a, io, BlockPart());
+}
+
+// The one-shot combine where every rank is on this node: the send's parts, then the receive's, from the channel's
+// queue (queue.cuh; see DispatchKernel).
+__global__ void __launch_bounds__(kThreads, 2)
+    CombineKernel(KernelArgs a, CombineSendIo send, CombineRecvIo recv, int sends, int recvs) {
+  RunQueued(
+      a, 1 + send.channel, sends, recvs, [&](Part p) { CombineSendBody(a, send, p); },
+      [&](Part p) { CombineRecvBody<kFusedRecvVecs>(a, recv, p); });
 }
 
 __global__ void TimestampKernel(uint64_t* out) { out[0] = GlobalTimer(); }
@@ -356,7 +355,7 @@ __global__ void TimestampKernel(uint64_t* out) { out[0] = GlobalTimer(); }
 
 LaunchShape CombineSendShape(const KernelArgs& a, int mode) {
   // A warp per 4 KiB piece of a row, or per 2 KiB piece of a (token owner, token) sum (the rows received are not
-  // known on the host): every SM takes part.
+  // known on the host): every SM takes a share.
   const long long items = mode == kPerEntry ? a.s.max_recv_rows() * ChunksOf(a.s.combine_row_bytes())
                                             : int64_t(a.s.num_ranks) * a.s.max_tokens *
                                                   ((a.s.combine_row_bytes() + kSumBytes - 1) / kSumBytes);
@@ -383,24 +382,31 @@ size_t CombineSendSmem(const KernelArgs& a) { return a.num_remote > 0 ? sizeof(i
 size_t CombineRecvSmem(const KernelArgs& a) { return sizeof(int) * a.s.num_ranks; }
 }  // namespace
 
-LaunchShape CombineShape(const KernelArgs& a, int mode, int tokens) {
-  if (a.num_remote > 0 || !OneKernelAllowed(a.one_kernel != 0)) return {0, kThreads};
+namespace {
+// Parts of the one kernel's receive: a warp per (token, piece) item of kFusedRecvVecs, 0 when the one kernel does not
+// pay. One pass of a resident grid's warps over the receive work, or the two kernels: past that (prefill) the
+// boundary is small beside the sums, which run faster at the receive kernel's occupancy (measured at EP1: 166 against
+// 229 us).
+int FusedRecvParts(const KernelArgs& a, int tokens) {
   const long long items = RecvItems(a, tokens, kFusedRecvVecs);
-  const int want = static_cast<int>(std::max<long long>(CombineSendShape(a, mode).blocks, (items + kWarps - 1) / kWarps));
   const int fit = ResidentBlocks(reinterpret_cast<const void*>(CombineKernel), kThreads, CombineRecvSmem(a), a.num_sms);
-  // One pass of the grid's warps over the receive work, or the two kernels: past that (prefill) the boundary is small
-  // beside the sums, which run faster at the receive kernel's occupancy (measured at EP1: 166 against 229 us).
-  if (items > static_cast<long long>(fit) * kWarps) return {0, kThreads};
-  return {std::min(want, fit), kThreads};
+  if (fit <= 0 || items > static_cast<long long>(fit) * kWarps) return 0;
+  return static_cast<int>(std::max(1LL, (items + kWarps - 1) / kWarps));
+}
+}  // namespace
+
+LaunchShape CombineShape(const KernelArgs& a, int mode, int tokens) {
+  if (a.num_remote > 0 || !OneKernelAllowed()) return {0, kThreads};
+  const int recvs = FusedRecvParts(a, tokens);
+  if (recvs == 0) return {0, kThreads};
+  const int parts = CombineSendShape(a, mode).blocks + recvs;
+  return {OneKernelBlocks(reinterpret_cast<const void*>(CombineKernel), kThreads, CombineRecvSmem(a), a.num_sms, parts),
+          kThreads};
 }
 
 cudaError_t LaunchCombineSend(const KernelArgs& a, const CombineSendIo& io, cudaStream_t stream) {
   const size_t smem = CombineSendSmem(a);
-  if (smem > 48 * 1024) {
-    if (cudaError_t err = cudaFuncSetAttribute(CombineSendKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-        err != cudaSuccess)
-      return err;
-  }
+  if (cudaError_t err = AllowSmem(CombineSendKernel, smem); err != cudaSuccess) return err;
   CombineSendKernel<<<CombineSendShape(a, io.mode).blocks, kThreads, smem, stream>>>(a, io);
   return cudaGetLastError();
 }
@@ -415,14 +421,15 @@ cudaError_t LaunchCombineRecv(const KernelArgs& a, const CombineRecvIo& io, cuda
 }
 
 cudaError_t LaunchCombine(const KernelArgs& a, const CombineSendIo& send, const CombineRecvIo& recv,
-                          cudaStream_t stream) {
-  const int grid = CombineShape(a, send.mode, recv.tokens).blocks;
-  if (grid > 0) {
-    const cudaError_t err = LaunchCooperative(CombineKernel, grid, kThreads, CombineRecvSmem(a), stream, a, send, recv);
-    if (err != cudaErrorCooperativeLaunchTooLarge && err != cudaErrorNotSupported) return err;
-    (void)cudaGetLastError();  // the grid does not fit beside what else runs (MPS): the two kernels instead
+                          cudaStream_t stream, bool* send_launched) {
+  *send_launched = false;
+  if (const int grid = CombineShape(a, send.mode, recv.tokens).blocks; grid > 0) {
+    CombineKernel<<<grid, kThreads, CombineRecvSmem(a), stream>>>(a, send, recv, CombineSendShape(a, send.mode).blocks,
+                                                                FusedRecvParts(a, recv.tokens));
+    return cudaGetLastError();
   }
   if (cudaError_t err = LaunchCombineSend(a, send, stream); err != cudaSuccess) return err;
+  *send_launched = true;
   return LaunchCombineRecv(a, recv, stream);
 }
 

@@ -7,11 +7,11 @@ namespace jax_moe::cuda {
 // L2-only loads: the data may have been written by a peer GPU, so L1 must not serve a stale line.
 __device__ __forceinline__ int4 LoadCg(const int4* p) { return __ldcg(p); }
 
-// Copies `bytes` (multiple of 16) from src to dst with the 32 lanes of a warp, kUnroll vectors a lane in flight (8:
-// 4 KiB a warp): over NVLink the stores' throughput depends on how many bytes each warp keeps moving; a row that fits
-// one batch (kUnroll 16: 8 KiB, a 7168-byte fp8 row) costs one memory latency instead of two.
-template <int kUnroll = 8>
+// Copies `bytes` (multiple of 16) from src to dst with the 32 lanes of a warp, kUnroll vectors a lane in flight (4 KiB
+// a warp): over NVLink the stores' throughput depends on how many bytes each warp keeps moving. 16 (a 7168-byte fp8
+// row in one batch) would save a latency per row but pushed the receive kernel past 128 registers, so it spilled.
 __device__ __forceinline__ void WarpCopy16(void* dst, const void* src, int bytes, int lane) {
+  constexpr int kUnroll = 8;
   const int4* s = static_cast<const int4*>(src);
   int4* d = static_cast<int4*>(dst);
   const int n = bytes >> 4;

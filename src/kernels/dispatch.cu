@@ -1,12 +1,13 @@
 // dispatch_send (push each token once to every rank holding one of its experts, plus per local expert the list of
 // its tokens) and dispatch_recv (wait, expand the received tokens into expert_x rows in the contract order: local
 // expert, then source rank, then source token). One kernel each, or one for both (the one-shot dispatch, every rank on
-// this node): each half is a block-level body, so the fused kernel runs the send's, then the receive's.
-#include "kernels/cooperative.h"
+// this node): each half is a body run per part, so the one kernel runs the send's parts, then the receive's.
 #include "kernels/copy.cuh"
 #include "kernels/fabric_kernels.h"
 #include "kernels/grid.h"
 #include "kernels/moe_kernels.h"
+#include "kernels/one_kernel.h"
+#include "kernels/queue.cuh"
 #include "kernels/sync.cuh"
 
 #include <algorithm>
@@ -17,11 +18,11 @@ namespace {
 // dispatch_send. Two independent jobs share the grid, so one launch does both:
 //  - per (token, rank) pair, one warp: if any expert of the token lives on that rank, copy the token (its fp8
 //    scales, its router weights when given) once into tokens[my_rank][t] there. Over NVLink that is each token once per rank, not once per (t, k).
-//  - per global expert g (blocks g, g + gridDim.x, ...): scan the tokens in order; the i-th (t, k) naming g goes to
+//  - per global expert g (parts g, g + count, ...): scan the tokens in order; the i-th (t, k) naming g goes to
 //    list[my_rank][e][i] on g's rank (e = g's local index), the count to counts[my_rank][e] there. Ranks come from
 //    warp ballots, so the order is the tokens' order without sorting.
 // Ids outside [0, E) other than -1 are masked and reported (block 0 checks them).
-__device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io) {
+__device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io, Part part) {
   const int tokens = io.tokens;
   const uint8_t* x = static_cast<const uint8_t*>(io.x);
   const uint8_t* xs = static_cast<const uint8_t*>(io.x_scale);
@@ -33,15 +34,15 @@ __device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io) 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned long long epoch = Local(a)->epoch[kDispatchSend] + 1;
   __shared__ int warp_count[kWarps];
-  TraceBlock0(a, kDispatchSend, epoch, kTraceStart);
+  TracePart0(a, part, kDispatchSend, epoch, kTraceStart);
 
   // The receivers must have consumed the previous epoch before their areas are overwritten.
   if (threadIdx.x < n && !IsRemote(a, threadIdx.x))
     WaitAtLeast(a, Flags(a.base, a, kDispatchAck) + threadIdx.x, epoch - 1, kDispatchAck * kWaitStride + threadIdx.x);
   __syncthreads();
-  TraceBlock0(a, kDispatchSend, epoch, kTraceWaited);
+  TracePart0(a, part, kDispatchSend, epoch, kTraceWaited);
 
-  if (blockIdx.x == 0) {
+  if (part.id == 0) {
     for (int i = threadIdx.x; i < tokens * r; i += kThreads) {
       const int v = idx[i];
       if (v != -1 && (v < 0 || v >= experts)) RaiseError(a, kBadExpertId, v);
@@ -52,7 +53,7 @@ __device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io) 
   // of a (token, rank) pair, in warp-major order so the copies spread over every block (and SM) even when few.
   const int chunks = ChunksOf(s.x_bytes());
   const long long items = static_cast<long long>(tokens) * n * chunks;
-  for (long long item = warp * gridDim.x + blockIdx.x; item < items; item += gridDim.x * kWarps) {
+  for (long long item = warp * part.count + part.id; item < items; item += part.count * kWarps) {
     const int pair = static_cast<int>(item / chunks);
     const int off = static_cast<int>(item - static_cast<long long>(pair) * chunks) * kChunkBytes;
     const int t = pair / n, p = pair - t * n;
@@ -71,7 +72,7 @@ __device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io) 
       reinterpret_cast<float*>(dst + s.x_bytes() + s.scale_bytes())[lane] = w[static_cast<size_t>(t) * r + lane];
   }
 
-  for (int g = blockIdx.x; g < experts; g += gridDim.x) {
+  for (int g = part.id; g < experts; g += part.count) {
     const int p = g / s.local_experts, e = g - p * s.local_experts;
     if (IsRemote(a, p)) continue;  // the same for the whole block
     uint8_t* peer = Peer(a, p);
@@ -102,7 +103,7 @@ __device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io) 
     if (threadIdx.x == 0) reinterpret_cast<int32_t*>(peer + a.lay.counts)[a.rank * s.local_experts + e] = running;
   }
 
-  FinishBlock(a, kDispatchSend, [&](LocalSync* ls) {
+  FinishPart(a, part, kDispatchSend, [&](LocalSync* ls) {
     for (int p = 0; p < n; ++p)
       if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchFlag) + a.rank, epoch);
     ls->epoch[kDispatchSend] = epoch;
@@ -144,14 +145,14 @@ constexpr int kTableTokens = 64;  // tokens of one route-table job
 // local expert, the list entries of those tokens (a binary search: a list is in token order) mark their rows in shared
 // memory, then the job writes all its slots, so every slot is written each round without a grid-wide barrier. Entries
 // from a peer are bounded (t in the job, k < R, i < the checked count) before they are followed.
-__device__ void FillRouteTable(const KernelArgs& a, const int* start, const int* ok, const int32_t* list,
+__device__ void FillRouteTable(const KernelArgs& a, Part part, const int* start, const int* ok, const int32_t* list,
                                const uint8_t* toks, const float* w, int x_tokens, int* tab, int32_t* route) {
   const MoeShape& s = a.s;
   const int n = s.num_ranks, l = s.local_experts, r = s.experts_per_token;
   const int chunks = (s.max_tokens + kTableTokens - 1) / kTableTokens;
   int32_t* rows = route + RouteTableOffset(s);
   float* weights = reinterpret_cast<float*>(route + RouteWeightsOffset(s));
-  for (int job = gridDim.x - 1 - blockIdx.x; job < n * chunks; job += gridDim.x) {
+  for (int job = part.count - 1 - part.id; job < n * chunks; job += part.count) {
     const int q = job / chunks, t0 = (job - q * chunks) * kTableTokens;
     const int tn = s.max_tokens - t0 < kTableTokens ? s.max_tokens - t0 : kTableTokens;
     for (int j = threadIdx.x; j < kTableTokens * r; j += blockDim.x) tab[j] = -1;
@@ -194,7 +195,7 @@ __device__ void FillRouteTable(const KernelArgs& a, const int* start, const int*
 // MoEConfig.zero_padding) or filled with NaN (kPadPoison, tests). Rows below the total whose entry is bad are zeroed.
 // Counts and list entries come from peers: anything out of range is dropped, never followed, and reported
 // (kBadPeerData).
-__device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io) {
+__device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io, Part part) {
   const int padding = io.padding, x_tokens = io.x_tokens;
   const uint8_t* x = static_cast<const uint8_t*>(io.x);
   const uint8_t* xs = static_cast<const uint8_t*>(io.x_scale);
@@ -215,13 +216,14 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io) 
   __shared__ int fab_ok;
   const unsigned long long epoch = Local(a)->epoch[kDispatchRecv] + 1;
   const FabricArgs& fab = a.fab[0];
-  TraceBlock0(a, kDispatchRecv, epoch, kTraceStart);
+  TracePart0(a, part, kDispatchRecv, epoch, kTraceStart);
 
   if (threadIdx.x < n && !IsRemote(a, threadIdx.x))
     ok[threadIdx.x] = WaitAtLeast(a, Flags(a.base, a, kDispatchFlag) + threadIdx.x, epoch,
                                   kDispatchFlag * kWaitStride + threadIdx.x);
   if (threadIdx.x == 0)
-    fab_ok = a.num_remote == 0 || WaitFabric(a, fab, proxy::kArrived, epoch, kDispatchFlag * kWaitStride + FirstRemote(a), 0);
+    fab_ok = a.num_remote == 0 ||
+             WaitFabric(a, fab, proxy::kArrived, epoch, kDispatchFlag * kWaitStride + FirstRemote(a), 0, part);
   __syncthreads();
   if (threadIdx.x < n && IsRemote(a, threadIdx.x)) {  // the proxy says the region is here: check its header
     const int q = threadIdx.x;
@@ -231,7 +233,7 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io) 
     frows[q] = ok[q] ? h.rows : 0;
   }
   __syncthreads();
-  TraceBlock0(a, kDispatchRecv, epoch, kTraceWaited);
+  TracePart0(a, part, kDispatchRecv, epoch, kTraceWaited);
   const int32_t* counts = reinterpret_cast<const int32_t*>(a.base + a.lay.counts);
   for (int f = threadIdx.x; f < blocks; f += blockDim.x) {
     const int e = f / n, q = f - e * n;
@@ -266,7 +268,7 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io) 
   __syncthreads();
   BlockInclusiveScan(start + 1, blocks, warp_sums);
   const int total = start[blocks];
-  if (blockIdx.x == 0) {
+  if (part.id == 0) {
     for (int e = threadIdx.x; e < l; e += blockDim.x) ocounts[e] = start[(e + 1) * n] - start[e * n];
     if (threadIdx.x == 0) route[s.max_recv_rows()] = total;
     for (int f = threadIdx.x; f <= blocks; f += blockDim.x) route[s.max_recv_rows() + 1 + f] = start[f];
@@ -274,12 +276,12 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io) 
   const int lane = threadIdx.x & 31;
   const int32_t* list = reinterpret_cast<const int32_t*>(a.base + a.lay.list);
   const uint8_t* toks = a.base + a.lay.tokens;
-  FillRouteTable(a, start, ok, list, toks, w, x_tokens, tab, route);
+  FillRouteTable(a, part, start, ok, list, toks, w, x_tokens, tab, route);
   const long long entries = s.entries(), rows = padding == kPadLeave ? total : s.max_recv_rows();
   // Warp w takes rows w, w + W, w + 2W, ... (W warps in the grid), 32 at a time: lane j first finds the source of
   // the j-th (one list load each, all in flight together), then the warp copies or zeroes the 32 rows in turn.
-  const long long warps = static_cast<long long>(gridDim.x) * kWarps;
-  for (long long base = blockIdx.x * kWarps + (threadIdx.x >> 5); base < rows; base += 32 * warps) {
+  const long long warps = static_cast<long long>(part.count) * kWarps;
+  for (long long base = part.id * kWarps + (threadIdx.x >> 5); base < rows; base += 32 * warps) {
     const long long mine = base + lane * warps;
     int32_t my_tk = -1;
     int my_q = 0;
@@ -295,7 +297,11 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io) 
         my_tk = reinterpret_cast<const int32_t*>(RecvRegion(fab, a, epoch, my_q) + FabricHeaderBytes(s))[loff[lo] + (mine - start[lo])];
         if (my_tk >= 0 && my_tk / s.experts_per_token >= frows[my_q]) my_tk = -1;
       } else {
-        my_tk = __ldcg(list + (static_cast<size_t>(my_q) * l + e) * s.max_tokens + (mine - start[lo]));
+        // A list is in token order (dispatch_send scans the tokens in order), which the route table's searches rely
+        // on: an entry not above the one before it is bad data, reported below rather than missed by the table.
+        const int32_t* lst = list + (static_cast<size_t>(my_q) * l + e) * s.max_tokens + (mine - start[lo]);
+        my_tk = __ldcg(lst);
+        if (mine > start[lo] && __ldcg(lst - 1) >= my_tk) my_tk = -1;
       }
       // Own tokens are read from dispatch_send's x: one past its rows cannot come from our own send.
       if (my_tk < 0 || my_tk >= entries || (my_q == a.rank && my_tk / s.experts_per_token >= x_tokens)) {
@@ -329,7 +335,7 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io) 
       if (lane == 0) route[i] = static_cast<int32_t>(q * entries + tk);
     }
   }
-  FinishBlock(a, kDispatchRecv, [&](LocalSync* ls) {
+  FinishPart(a, part, kDispatchRecv, [&](LocalSync* ls) {
     ls->epoch[kDispatchRecv] = epoch;
     for (int p = 0; p < n; ++p)
       if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchAck) + a.rank, epoch);
@@ -337,16 +343,21 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io) 
   });
 }
 
-__global__ void __launch_bounds__(kThreads) DispatchSendKernel(KernelArgs a, DispatchSendIo io) { DispatchSendBody(a, io); }
+__global__ void __launch_bounds__(kThreads) DispatchSendKernel(KernelArgs a, DispatchSendIo io) {
+  DispatchSendBody(a, io, BlockPart());
+}
 
-__global__ void __launch_bounds__(kThreads, 2) DispatchRecvKernel(KernelArgs a, DispatchRecvIo io) { DispatchRecvBody(a, io); }
+__global__ void __launch_bounds__(kThreads, 2) DispatchRecvKernel(KernelArgs a, DispatchRecvIo io) {
+  DispatchRecvBody(a, io, BlockPart());
+}
 
-// The one-shot dispatch where every rank is on this node. The send body's last block raises this rank's flags (its
-// own included) as the send kernel's would, and every block then waits for them in the receive body: launched
-// cooperatively, so the blocks that wait never keep a block of the send from running.
-__global__ void __launch_bounds__(kThreads, 2) DispatchKernel(KernelArgs a, DispatchSendIo send, DispatchRecvIo recv) {
-  DispatchSendBody(a, send);
-  DispatchRecvBody(a, recv);
+// The one-shot dispatch where every rank is on this node: the send's parts, then the receive's, from the dispatch
+// queue (queue.cuh). The send's last part raises this rank's flags (its own included) as the send kernel's would, and
+// the receive's parts wait for them.
+__global__ void __launch_bounds__(kThreads, 2)
+    DispatchKernel(KernelArgs a, DispatchSendIo send, DispatchRecvIo recv, int sends, int recvs) {
+  RunQueued(
+      a, 0, sends, recvs, [&](Part p) { DispatchSendBody(a, send, p); }, [&](Part p) { DispatchRecvBody(a, recv, p); });
 }
 
 size_t DispatchRecvSmem(const MoeShape& s) {
@@ -355,12 +366,6 @@ size_t DispatchRecvSmem(const MoeShape& s) {
 }
 
 int TableJobs(const MoeShape& s) { return s.num_ranks * ((s.max_tokens + kTableTokens - 1) / kTableTokens); }
-
-template <typename Kernel>
-cudaError_t AllowSmem(Kernel kernel, size_t smem) {
-  if (smem <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-}
 
 }  // namespace
 
@@ -378,10 +383,10 @@ LaunchShape DispatchRecvShape(const KernelArgs& a) {
 }
 
 LaunchShape DispatchShape(const KernelArgs& a, int tokens) {
-  if (a.num_remote > 0 || !OneKernelAllowed(a.one_kernel != 0)) return {0, kThreads};
-  const int want = std::max(DispatchSendShape(a, tokens).blocks, DispatchRecvShape(a).blocks);
-  const int fit = ResidentBlocks(reinterpret_cast<const void*>(DispatchKernel), kThreads, DispatchRecvSmem(a.s), a.num_sms);
-  return {std::min(want, fit), kThreads};
+  if (a.num_remote > 0 || !OneKernelAllowed()) return {0, kThreads};
+  const int parts = DispatchSendShape(a, tokens).blocks + DispatchRecvShape(a).blocks;
+  return {OneKernelBlocks(reinterpret_cast<const void*>(DispatchKernel), kThreads, DispatchRecvSmem(a.s), a.num_sms, parts),
+          kThreads};
 }
 
 cudaError_t LaunchDispatchSend(const KernelArgs& a, const DispatchSendIo& io, cudaStream_t stream) {
@@ -402,16 +407,17 @@ cudaError_t LaunchDispatchRecv(const KernelArgs& a, const DispatchRecvIo& io, cu
 }
 
 cudaError_t LaunchDispatch(const KernelArgs& a, const DispatchSendIo& send, const DispatchRecvIo& recv,
-                           cudaStream_t stream) {
-  const size_t smem = DispatchRecvSmem(a.s);
-  if (cudaError_t err = AllowSmem(DispatchKernel, smem); err != cudaSuccess) return err;
-  const int grid = DispatchShape(a, send.tokens).blocks;
-  if (grid > 0) {
-    const cudaError_t err = LaunchCooperative(DispatchKernel, grid, kThreads, smem, stream, a, send, recv);
-    if (err != cudaErrorCooperativeLaunchTooLarge && err != cudaErrorNotSupported) return err;
-    (void)cudaGetLastError();  // the grid does not fit beside what else runs (MPS): the two kernels instead
+                           cudaStream_t stream, bool* send_launched) {
+  *send_launched = false;
+  if (const int grid = DispatchShape(a, send.tokens).blocks; grid > 0) {
+    const size_t smem = DispatchRecvSmem(a.s);
+    if (cudaError_t err = AllowSmem(DispatchKernel, smem); err != cudaSuccess) return err;
+    DispatchKernel<<<grid, kThreads, smem, stream>>>(a, send, recv, DispatchSendShape(a, send.tokens).blocks,
+                                                     DispatchRecvShape(a).blocks);
+    return cudaGetLastError();
   }
   if (cudaError_t err = LaunchDispatchSend(a, send, stream); err != cudaSuccess) return err;
+  *send_launched = true;
   return LaunchDispatchRecv(a, recv, stream);
 }
 

@@ -66,14 +66,14 @@ cudaError_t LaunchDispatchRecv(const KernelArgs& a, const DispatchRecvIo& io, cu
 cudaError_t LaunchCombineSend(const KernelArgs& a, const CombineSendIo& io, cudaStream_t stream);
 cudaError_t LaunchCombineRecv(const KernelArgs& a, const CombineRecvIo& io, cudaStream_t stream);
 
-// The one-shot calls: both halves. Where every rank is on this node, one kernel runs both (send, then wait on the
-// peers' flags in the same grid, then receive), launched cooperatively so that every block is resident: no kernel
-// boundary between the halves (~3.5 us on H200). Otherwise, or when the grid cannot be resident, the two halves'
-// kernels back to back.
+// The one-shot calls: both halves. Where every rank is on this node, one kernel runs both (its blocks take the send's
+// parts, then the receive's, from a queue: kernels/queue.cuh), so no kernel boundary lies between the halves (~3.5 us
+// on H200); the combine only at decode sizes. Otherwise the two halves' kernels back to back. `send_launched`: the
+// two kernels' send was enqueued (a failure after it leaves the round open).
 cudaError_t LaunchDispatch(const KernelArgs& a, const DispatchSendIo& send, const DispatchRecvIo& recv,
-                           cudaStream_t stream);
+                           cudaStream_t stream, bool* send_launched);
 cudaError_t LaunchCombine(const KernelArgs& a, const CombineSendIo& send, const CombineRecvIo& recv,
-                          cudaStream_t stream);
+                          cudaStream_t stream, bool* send_launched);
 
 // Blocks and threads per block of the NVLink kernel of each half (the launchers use them; the benchmark reports
 // them): how many SMs a half occupies while its data is in flight. Ranks on other nodes add the pack / index kernels.
@@ -85,7 +85,8 @@ LaunchShape DispatchSendShape(const KernelArgs& a, int tokens);
 LaunchShape DispatchRecvShape(const KernelArgs& a);
 LaunchShape CombineSendShape(const KernelArgs& a, int mode);
 LaunchShape CombineRecvShape(const KernelArgs& a, int tokens);
-// The one kernel of a one-shot call (blocks 0 where it would not be used: ranks on other nodes, or no resident fit).
+// The one kernel of a one-shot call (blocks 0 where it is not used: ranks on other nodes, the combine past decode
+// sizes, JAX_MOE_CUDA_ONE_KERNEL=0).
 LaunchShape DispatchShape(const KernelArgs& a, int tokens);
 LaunchShape CombineShape(const KernelArgs& a, int mode, int tokens);
 

@@ -78,6 +78,10 @@ struct LocalSync {
   // Per fabric stream, the pump's kSent / kArrived words as block 0 last saw them in host memory: the other blocks
   // wait on this copy, so that one thread per launch polls over PCIe, not one per block (see WaitFabric).
   unsigned long long fab_seen[1 + kCombineChannels][2];
+  // The one-shot kernels' part queues, per stream (dispatch, combine channel c at 1 + c): the next part to take, and
+  // the blocks done taking (the last one out re-arms both for the next launch). See queue.cuh.
+  unsigned int queue[1 + kCombineChannels];
+  unsigned int queue_left[1 + kCombineChannels];
 };
 
 // An NVLink token record: the row, its fp8 scales, then the token's R router weights (float32), 16-byte aligned. The
@@ -175,10 +179,6 @@ struct KernelArgs {
   int trace = 0;                    // record the device-side trace (see kTraceRing)
   unsigned int remote[4] = {0, 0, 0, 0};  // bit p: rank p is on another node (reached through the host proxy)
   int num_remote = 0;
-  // The one-shot calls may run as one cooperative kernel (moe_kernels.h LaunchDispatch). 0 when a peer's buffer lives
-  // on this same GPU (two processes sharing it, under MPS): this grid, resident and waiting for the peer's flags,
-  // could keep the peer's grid from ever becoming resident.
-  int one_kernel = 1;
   FabricArgs fab[kFabricStreams];   // dispatch, combine channel 0, 1 (when num_remote > 0)
 };
 

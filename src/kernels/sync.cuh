@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "kernels/moe_layout.h"
+#include "kernels/part.cuh"
 
 namespace jax_moe::cuda {
 
@@ -26,7 +27,7 @@ __device__ __forceinline__ LocalSync* Local(const KernelArgs& a) {
   return reinterpret_cast<LocalSync*>(a.base + a.lay.local);
 }
 
-// Records an error of the running launch in device memory (its first error wins); FinishBlock publishes it to the
+// Records an error of the running launch in device memory (its first error wins); FinishPart publishes it to the
 // host when the launch ends. Published at each raise, one launch could report twice: the host's handler for the
 // next recv half runs while this launch runs, so it could take the first raise and a later raise (another bad id)
 // would set the word again for the call after. A timeout also goes at once to the timeout word, which only the
@@ -39,8 +40,8 @@ __device__ __forceinline__ void RaiseError(const KernelArgs& a, int kind, int de
 
 // Publishes the ending launch's error, if any, with the next number. Only when the host has acknowledged the previous
 // number: until then that error stands (first error wins) and this one is dropped. The device is the only writer of
-// the error word and the host of the ack word (see KernelArgs). Called by the last block after FinishBlock's fences,
-// so every block's RaiseError is visible.
+// the error word and the host of the ack word (see KernelArgs). Called by the last part after FinishPart's fences,
+// so every part's RaiseError is visible.
 __device__ __forceinline__ void PublishError(const KernelArgs& a, LocalSync* ls) {
   if (*reinterpret_cast<volatile unsigned long long*>(&ls->error) == 0) return;  // the usual case: no error
   const unsigned long long error = atomicExch(&ls->error, 0ull);
@@ -75,15 +76,16 @@ __device__ __forceinline__ bool WaitAtLeast(const KernelArgs& a, const unsigned 
 // which the other blocks poll in device memory. Every block polling over PCIe flooded the link that the receive
 // kernels read their rows through (70x below its bandwidth with two processes on one GPU). A block that sees the
 // copy re-reads the host word once with system-scope acquire, so the proxy's writes before it are visible to it.
+// Part 0 polls: only a half's own kernel waits on the fabric (never the one-shot kernel), so part 0 is block 0.
 __device__ __forceinline__ bool WaitFabric(const KernelArgs& a, const FabricArgs& f, int word, unsigned long long want,
-                                           int which, int stream) {
+                                           int which, int stream, Part part) {
   unsigned long long* seen = &Local(a)->fab_seen[stream][word == proxy::kSent ? 0 : 1];
   const unsigned long long* host = f.bell + word;
   if (LoadAcquireSys(seen) >= want && LoadAcquireSys(host) >= want) return true;
   volatile int* timed_out = &Local(a)->timed_out;
   if (*timed_out) return false;
   const unsigned long long start = GlobalTimer();
-  if (blockIdx.x == 0) {
+  if (part.id == 0) {
     unsigned long long v;
     while ((v = LoadAcquireSys(host)) < want) {
       if (LoadAcquireSys(f.bell + proxy::kError) != 0) {
@@ -185,22 +187,22 @@ __device__ __forceinline__ void Trace(const KernelArgs& a, int half, unsigned lo
   t[((epoch % kTraceRing) * kHalves + half) * kTracePoints + point] = GlobalTimer();
 }
 
-__device__ __forceinline__ void TraceBlock0(const KernelArgs& a, int half, unsigned long long epoch, int point) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) Trace(a, half, epoch, point);
+__device__ __forceinline__ void TracePart0(const KernelArgs& a, Part part, int half, unsigned long long epoch, int point) {
+  if (part.id == 0 && threadIdx.x == 0) Trace(a, half, epoch, point);
 }
 
-// Ends a launch: every block's stores are ordered before its arrival (barrier, then one system-scope fence by thread
-// 0, as cooperative groups' grid sync does); the last block to arrive runs `last()` (signals the peers, advances the
-// epoch), publishes the launch's error and re-arms the block counter for the next launch.
+// Ends a part of a half: its stores are ordered before its arrival (barrier, then one system-scope fence by thread 0,
+// as cooperative groups' grid sync does); the last part to arrive runs `last()` (signals the peers, advances the
+// epoch), publishes the launch's error and re-arms the part counter for the next launch.
 template <typename Last>
-__device__ __forceinline__ void FinishBlock(const KernelArgs& a, int half, Last last) {
+__device__ __forceinline__ void FinishPart(const KernelArgs& a, Part part, int half, Last last) {
   __syncthreads();
   if (threadIdx.x == 0) {
     LocalSync* ls = Local(a);
-    if (blockIdx.x == 0) Trace(a, half, ls->epoch[half] + 1, kTraceWork);
+    if (part.id == 0) Trace(a, half, ls->epoch[half] + 1, kTraceWork);
     __threadfence_system();
     const unsigned prev = atomicAdd(&ls->done[half], 1u);
-    if (prev == gridDim.x - 1) {
+    if (prev == static_cast<unsigned>(part.count) - 1) {
       ls->done[half] = 0;
       __threadfence_system();
       Trace(a, half, ls->epoch[half] + 1, kTraceEnd);

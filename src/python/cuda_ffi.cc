@@ -6,6 +6,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include "cuda/cuda_scope.h"
 #include "cuda/device_error.h"
 #include "cuda/device_comm.h"
 #include "cuda/device_fabric.h"
@@ -193,6 +194,25 @@ void RegisterCuda(nb::module_& m) {
         return d;
       },
       "Per half (blocks, threads per block) of its NVLink kernel for `tokens` tokens, and the device's SM count.");
+  cuda.def(
+      "testing_write_list",
+      [](int64_t id, int ordinal, int sender, int expert, const std::vector<int32_t>& values) {
+        auto dev = jax_moe::cuda::FindDevice(id, ordinal);
+        if (!dev) throw std::invalid_argument("no such Communicator on this device");
+        const auto& a = dev->args;
+        if (sender < 0 || sender >= a.s.num_ranks || expert < 0 || expert >= a.s.local_experts ||
+            values.size() > static_cast<size_t>(a.s.max_tokens))
+          throw std::invalid_argument("sender, expert or the number of values out of range");
+        jax_moe::cuda::DeviceScope scope(ordinal);
+        uint8_t* at = a.base + a.lay.list +
+                      sizeof(int32_t) * (static_cast<size_t>(sender) * a.s.local_experts + expert) * a.s.max_tokens;
+        if (cudaMemcpy(at, values.data(), sizeof(int32_t) * values.size(), cudaMemcpyHostToDevice) != cudaSuccess) {
+          (void)cudaGetLastError();
+          throw std::runtime_error("cudaMemcpy into the list failed");
+        }
+      },
+      "Tests only: overwrites the start of list[sender][expert] in a device's receive area (what a faulty peer "
+      "could write), while no kernel of the Communicator runs.");
   cuda.def("read_trace", &jax_moe::cuda::ReadTrace,
            "Device-side trace of a device: flat [64 epochs][halves][start, waited, work, end] %globaltimer ns "
            "(JAX_MOE_CUDA_TRACE=1 when the Communicator was made).");

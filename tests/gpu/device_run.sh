@@ -98,11 +98,15 @@ if has nodes; then  # ranks on other nodes (issue 13) on one GPU: two processes 
   mps_stop
 fi
 if has ipc; then  # EP2 through the NVLink kernels between two processes (CUDA IPC); with one GPU both share it under
-  # MPS (half the SMs each, HBM instead of NVLink): the summed combine (cuda) against rows per (t, k) (cuda-entry)
+  # MPS (half the SMs each, HBM instead of NVLink): the summed combine (cuda) against rows per (t, k) (cuda-entry),
+  # then the one-shot calls as two kernels
   [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || mps_start
   stage ipc ${IPC_LIMIT_S:-300} env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_CUDA_TRACE=1 \
     python3 -m jax_moe.bench moe --backend cuda,cuda-entry --shape "${IPC_SHAPE:-decode,prefill}" \
     --iters "${IPC_ITERS:-200}" --processes 2 --ranks-per-node 2 --out "$OUT/ipc"
+  stage ipc_two_kernels ${IPC_LIMIT_S:-300} env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_CUDA_TRACE=1 \
+    JAX_MOE_CUDA_ONE_KERNEL=0 python3 -m jax_moe.bench moe --backend cuda --shape "${IPC_SHAPE:-decode,prefill}" \
+    --iters "${IPC_ITERS:-200}" --processes 2 --ranks-per-node 2 --out "$OUT/ipc_two"
   [ -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || mps_stop
 fi
 printf '%s\n' "${summary[@]}"

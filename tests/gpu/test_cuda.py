@@ -22,7 +22,8 @@ _why = CudaBackend.unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_why is not None, reason=f"backend 'cuda': {_why}")]
 
 if _why is None:
-    from support.helpers import bits, check_roundtrip, expert_fn, mesh_of, random_routing, random_tokens, roundtrip, run
+    from support.helpers import (bits, check_roundtrip, expert_fn, mesh_of, random_routing, random_tokens, roundtrip,
+                                 run, shard)
     from support.multiprocess import free_port, launch
 
 
@@ -130,6 +131,40 @@ def test_many_calls_in_one_jit_and_dispatch_only_loops(rng):
     for _ in range(20):  # many programs back to back
         out2, _ = run(comm, body, x, idx, w, out_specs=(P("ep"), P("ep")))
     np.testing.assert_array_equal(bits(np.asarray(out2)), bits(np.asarray(out)))
+
+
+def test_a_list_out_of_token_order_is_reported(rng):
+    """A list out of token order (what a faulty peer could write: every entry in bounds) is bad peer data: its rows
+    are dropped and the receive reports it, rather than the route table's searches missing rows silently. The
+    Communicator stays usable (one rank), and the next round is exact."""
+    e, r, hidden, t = 4, 2, 128, 8
+    comm = comm_of(jax_moe.MoEConfig(e, r, hidden, t), 1)
+    x, _ = random_tokens(rng, t, hidden, False)
+    idx = random_routing(rng, 1, t, r, e, mask=0.0)
+    idx[:, 0] = 0  # every token names expert 0 first: its list is [0, R, 2R, ...]
+    idx[:, 1] = rng.integers(1, e, t)
+    spec = dict(mesh=comm.mesh, in_specs=(P("ep"),) * 2, out_specs=P("ep"))
+    send = jax.jit(jax.shard_map(lambda x, i: comm.dispatch_send(x, i), **spec))
+    recv = jax.jit(jax.shard_map(lambda h: comm.dispatch_recv(h).expert_x, mesh=comm.mesh, in_specs=(P("ep"),),
+                                 out_specs=P("ep")))
+    xs, ids = shard(comm.mesh, x, idx)
+    handle = jax.block_until_ready(send(xs, ids))
+    order = list(range(t))
+    i, j = sorted(rng.choice(t, 2, replace=False))
+    order[i], order[j] = order[j], order[i]  # two entries swapped: still a permutation of valid entries
+    comm.backend._mod.testing_write_list(comm.backend.native_id, 0, 0, 0, [k * r for k in order])
+    w = rng.random((t, r)).astype(np.float32)
+    reported = []
+    # The receive kernel raises the report; the recv half that runs after it ends returns it (this call's own or,
+    # when the handler runs first, the next call's).
+    for call in (lambda: recv(handle), lambda: roundtrip(comm, x, idx, w)):
+        try:
+            jax.block_until_ready(call())
+        except Exception as err:  # noqa: BLE001 - JaxRuntimeError
+            reported.append(str(err))
+    reported += comm.errors()
+    assert len(reported) == 1 and "rank 0" in reported[0] and "out of token order" in reported[0], reported
+    check_roundtrip(comm, 1, x, idx, w, None, roundtrip(comm, x, idx, w))
 
 
 def test_a_silent_peer_times_out_and_the_communicator_stays_failed(rng):

@@ -48,13 +48,13 @@ def test_two_processes_as_two_nodes(provider, rng):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("one_kernel", ["auto", "force"])
+@pytest.mark.parametrize("one_kernel", ["1", "0"])
 def test_two_processes_in_one_node(one_kernel, rng):
     """2 processes, one node: the NVLink kernels between processes (CUDA IPC), on one GPU both ranks in its memory.
     The worker's round trips take the weights at combine (rows per (t, k)) and at dispatch (summed per token and
-    rank at the expert rank), and dispatch's transpose sums with unit weights. The one-shot calls run as two kernels
-    where the peer shares the GPU ("auto"); "force" runs them as one kernel anyway (safe here: without MPS the two
-    processes are time-sliced), so that one GPU checks the one-kernel path between ranks too."""
+    rank at the expert rank), and dispatch's transpose sums with unit weights. The one-shot calls run as one kernel
+    ("1", the default) and as two ("0"). On one GPU without MPS the two processes are time-sliced, so each one
+    kernel waits for a peer that is not running: the queue (kernels/queue.cuh) must not need its blocks resident."""
     _run_workers(2, 2, "shm", rng, JAX_MOE_CUDA_ONE_KERNEL=one_kernel)
 
 

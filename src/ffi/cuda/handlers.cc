@@ -238,14 +238,18 @@ ffi::Error Recv(const DeviceComm& dev, int stream, const char* op, LaunchFn laun
   return earlier.empty() ? std::move(launched) : ToFfi(earlier);
 }
 
-// A one-shot call: both halves' arguments are checked before anything is launched; the round opens and closes in it.
+// A one-shot call: both halves' arguments are checked before anything is launched; the round opens and closes in it,
+// unless the send was launched and the receive then failed to launch: that round stays open, so the next send on
+// this stream is refused at once instead of waiting for acks that never come.
 template <bool kGraph, typename LaunchFn>
 ffi::Error OneShot(const DeviceComm& dev, int stream, const char* op, LaunchFn launch) {
   if constexpr (!kGraph) {
     if (auto e = CheckStreamFree(dev, stream, op); e.failure()) return e;
   }
   const DeviceReport earlier = TakeError(dev);
-  ffi::Error launched = Launched(launch(), op);
+  bool send_launched = false;
+  ffi::Error launched = Launched(launch(&send_launched), op);
+  if (!kGraph && launched.failure() && send_launched) dev.open_rounds[stream].fetch_add(1, std::memory_order_relaxed);
   return earlier.empty() ? std::move(launched) : ToFfi(earlier);
 }
 
@@ -320,7 +324,8 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, b
                                  expert_x_scale, counts, route, recv);
       e.failure())
     return e;
-  return OneShot<kGraph>(*dev, 0, "dispatch", [&] { return LaunchDispatch(dev->args, send, recv, stream); });
+  return OneShot<kGraph>(*dev, 0, "dispatch",
+                         [&](bool* sent) { return LaunchDispatch(dev->args, send, recv, stream, sent); });
 }
 
 template <bool kGraph>
@@ -335,7 +340,8 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, in
   if (auto e = CheckCombineSend(dev->args, channel, mode, expert_y, route, ticket, send); e.failure()) return e;
   if (auto e = CheckCombineRecv(dev->args, channel, mode, topk_weights, topk_idx, expert_y, out, recv); e.failure())
     return e;
-  return OneShot<kGraph>(*dev, 1 + send.channel, "combine", [&] { return LaunchCombine(dev->args, send, recv, stream); });
+  return OneShot<kGraph>(*dev, 1 + send.channel, "combine",
+                         [&](bool* sent) { return LaunchCombine(dev->args, send, recv, stream, sent); });
 }
 
 // Passes `a` through (aliased) and stamps the device time once everything before it on the stream has finished.

@@ -1,0 +1,46 @@
+// The one-shot kernel's schedule: every block takes parts from one queue, all of the send half's before any of the
+// receive half's. A receive part waits for every send part to end (the send's last part raises the flags it waits
+// on), and every send part was taken, so is running or done, by the time any receive part is taken: no block ever
+// waits for a block that is not resident. So the one kernel needs no cooperative launch, runs correctly on however
+// many SMs it gets (beside other kernels, under MPS, on a shared GPU), and a send part never waits behind our own
+// spinning receive parts. A block takes its next part while it works on this one, to hide the atomic's latency.
+#pragma once
+#include "kernels/part.cuh"
+#include "kernels/sync.cuh"
+
+namespace jax_moe::cuda {
+
+// Runs parts send(Part{i, sends}) for i < sends, then recv(Part{i, recvs}) for i < recvs, on `stream`'s queue (0:
+// dispatch, 1 + c: combine channel c). Each body must end in FinishPart (a block barrier). One loop per half: in one
+// loop over both, the compiler kept both bodies' loop-invariant values live and the combine kernel spilled.
+template <typename Send, typename Recv>
+__device__ __forceinline__ void RunQueued(const KernelArgs& a, int stream, int sends, int recvs, Send send, Recv recv) {
+  unsigned int* queue = &Local(a)->queue[stream];
+  __shared__ int next;
+  if (threadIdx.x == 0) next = static_cast<int>(atomicAdd(queue, 1u));
+  __syncthreads();
+  int take = next;
+  while (take < sends) {
+    __syncthreads();  // every thread has read `next`
+    if (threadIdx.x == 0) next = static_cast<int>(atomicAdd(queue, 1u));
+    send(Part{take, sends});
+    __syncthreads();
+    take = next;
+  }
+  while (take < sends + recvs) {
+    __syncthreads();
+    if (threadIdx.x == 0) next = static_cast<int>(atomicAdd(queue, 1u));
+    recv(Part{take - sends, recvs});
+    __syncthreads();
+    take = next;
+  }
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&Local(a)->queue_left[stream], 1u) == gridDim.x - 1) {
+      *queue = 0;  // every block has taken its last ticket: the next launch starts from part 0
+      Local(a)->queue_left[stream] = 0;
+    }
+  }
+}
+
+}  // namespace jax_moe::cuda
