@@ -11,30 +11,36 @@
 namespace jax_moe::cuda {
 
 // Runs parts send(Part{i, sends}) for i < sends, then recv(Part{i, recvs}) for i < recvs, on `stream`'s queue (0:
-// dispatch, 1 + c: combine channel c). Each body must end in FinishPart (a block barrier). One loop per half: in one
-// loop over both, the compiler kept both bodies' loop-invariant values live and the combine kernel spilled.
+// dispatch, 1 + c: combine channel c). Each body must end in FinishPart (a block barrier, after which every thread has
+// read `next`). The block's last thread takes the tickets and holds the next one in a register until its part ends:
+// thread 0, which waits on the peers' flags first thing, would otherwise hold its whole block for the atomic's round
+// trip. One loop per half: in one loop over both, the compiler kept both bodies' loop-invariant values live and the
+// combine kernel spilled.
 template <typename Send, typename Recv>
 __device__ __forceinline__ void RunQueued(const KernelArgs& a, int stream, int sends, int recvs, Send send, Recv recv) {
   unsigned int* queue = &Local(a)->queue[stream];
+  const bool taker = threadIdx.x == blockDim.x - 1;
   __shared__ int next;
-  if (threadIdx.x == 0) next = static_cast<int>(atomicAdd(queue, 1u));
+  if (taker) next = static_cast<int>(atomicAdd(queue, 1u));
   __syncthreads();
   int take = next;
   while (take < sends) {
-    __syncthreads();  // every thread has read `next`
-    if (threadIdx.x == 0) next = static_cast<int>(atomicAdd(queue, 1u));
+    int ahead = 0;
+    if (taker) ahead = static_cast<int>(atomicAdd(queue, 1u));
     send(Part{take, sends});
+    if (taker) next = ahead;
     __syncthreads();
     take = next;
   }
   while (take < sends + recvs) {
-    __syncthreads();
-    if (threadIdx.x == 0) next = static_cast<int>(atomicAdd(queue, 1u));
+    int ahead = 0;
+    if (taker) ahead = static_cast<int>(atomicAdd(queue, 1u));
     recv(Part{take - sends, recvs});
+    if (taker) next = ahead;
     __syncthreads();
     take = next;
   }
-  if (threadIdx.x == 0) {
+  if (taker) {
     __threadfence();
     if (atomicAdd(&Local(a)->queue_left[stream], 1u) == gridDim.x - 1) {
       *queue = 0;  // every block has taken its last ticket: the next launch starts from part 0

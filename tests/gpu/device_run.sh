@@ -65,11 +65,14 @@ fi
 if has bench; then
   stage bench ${BENCH_LIMIT_S:-400} python3 -m jax_moe.bench moe --out "$OUT/bench" "$@"
 fi
-if has ep1; then  # the one-shot calls as one kernel (default) against two kernels, with the device trace, on this machine's GPUs
+if has ep1; then  # the one-shot calls as one kernel (default) against two kernels, with the device trace, and the
+  # command-buffer handlers, on this machine's GPUs
   stage ep1 ${EP1_LIMIT_S:-240} env JAX_MOE_CUDA_TRACE=1 python3 -m jax_moe.bench moe --backend cuda,xla \
     --shape "${EP1_SHAPE:-decode,prefill}" --iters "${EP1_ITERS:-400}" --out "$OUT/ep1"
   stage ep1_two_kernels ${EP1_LIMIT_S:-240} env JAX_MOE_CUDA_TRACE=1 JAX_MOE_CUDA_ONE_KERNEL=0 python3 -m jax_moe.bench \
     moe --backend cuda --shape "${EP1_SHAPE:-decode,prefill}" --iters "${EP1_ITERS:-400}" --out "$OUT/ep1_two"
+  stage ep1_graphs ${EP1_LIMIT_S:-240} env JAX_MOE_CUDA_COMMAND_BUFFERS=1 python3 -m jax_moe.bench moe --backend cuda \
+    --shape "${EP1_SHAPE:-decode,prefill}" --iters "${EP1_ITERS:-400}" --out "$OUT/ep1_graphs"  # command buffers
 fi
 if has proxy; then  # the host path alone (issue 13): proxy round trip and raw engine, fi_pingpong beside them
   [ -x "$LF/bin/fi_pingpong" ] && export PATH=$LF/bin:$PATH  # carried: the image has no libfabric-bin
