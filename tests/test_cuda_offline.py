@@ -130,7 +130,7 @@ def test_halves_trace_to_the_cuda_handlers(fake, monkeypatch, fp8):
                                             ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")]
     assert all(c["comm_id"] == comm.id for c in calls)
     assert calls[0]["has_scale"] == fp8 and calls[1]["has_scale"] == fp8
-    route = m + 2 + comm.cfg.num_experts + 2 * n * t * 2  # + the (sender, entry) row table and its weights
+    route = m + 2 + comm.cfg.num_experts + n + 2 * n * t * 2  # + tokens per sender, the (sender, entry) row table, weights
     assert calls[1]["shapes"] == [(m, 128), (m, 1) if fp8 else (1, 1), (comm.num_local_experts,), (route,)]
     assert calls[2]["channel"] == 0 and calls[3]["channel"] == 0 and calls[3]["shapes"] == [(t, 128)]
     assert not calls[0]["has_weights"] and calls[2]["mode"] == 0 and calls[3]["mode"] == 0  # weights at combine

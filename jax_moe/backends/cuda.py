@@ -78,9 +78,10 @@ class CudaDispatchHandle(NamedTuple):
 
 
 class CudaRoute(NamedTuple):
-    # int32 [M + 2 + E + 2 * N * max_tokens * R]: source rank * max_tokens * R + t * R + k of every expert_x row
+    # int32 [M + 2 + E + N + 2 * N * max_tokens * R]: source rank * max_tokens * R + t * R + k of every expert_x row
     # (t * R + k: the token's slot in the sender's region for a remote sender); [M] = rows; then the row offsets of the
-    # (expert, sender) blocks; then per (sender, t, k) its row here (-1: none) and its router weight (float32 bits)
+    # (expert, sender) blocks; the tokens each sender dispatched; then per (sender, t, k) its row here (-1: none) and
+    # its router weight (float32 bits), written for t below that sender's tokens (kernels/moe_layout.h)
     origin: jax.Array
 
 
@@ -257,7 +258,7 @@ class CudaBackend(NativeBackend):
         results = (jax.ShapeDtypeStruct((m, cfg.hidden), cfg.dispatch_dtype),
                    jax.ShapeDtypeStruct((m, cfg.num_scales) if fp8 else (1, 1), jnp.float32),
                    jax.ShapeDtypeStruct((self.comm.num_local_experts,), jnp.int32),
-                   jax.ShapeDtypeStruct((m + 2 + cfg.num_experts + 2 * table,), jnp.int32))
+                   jax.ShapeDtypeStruct((m + 2 + cfg.num_experts + self.comm.num_ranks + 2 * table,), jnp.int32))
         w = handle.topk_weights
         w_arg = w if w is not None else jnp.zeros((1, 1), jnp.float32)
         attrs = dict(has_scale=fp8, has_weights=w is not None, padding=np.int64(self._padding()))

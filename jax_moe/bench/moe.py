@@ -36,7 +36,9 @@ SHAPES = {  # name: (tokens per rank, hidden, experts, top-k, fp8 dispatch)
     "small": (64, 512, 32, 4, True),
     "decode": (128, 7168, 256, 8, True),
     "prefill": (4096, 7168, 256, 8, True),
+    "decode-big": (128, 7168, 256, 8, True),  # decode's tokens on buffers sized for prefill (BUFFER_TOKENS)
 }
+BUFFER_TOKENS = {"decode-big": 4096}  # max_tokens of a shape's Communicator where it is not the tokens sent
 SWEEP = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096)
 PHASES = ("dispatch_send", "dispatch_recv", "dispatch", "combine_send", "combine_recv", "combine")
 
@@ -46,7 +48,9 @@ def _parse(argv):
     p.add_argument("--backend", default=None,
                    help="comma list of cuda, cpu, xla, xla-ragged (default: by platform); cuda-entry / cpu-entry: the "
                         "same backend with the weights given to combine instead of dispatch (rows per (t, k))")
-    p.add_argument("--shape", default=None, help="comma list of small, decode, prefill, sweep (default: by platform)")
+    p.add_argument("--shape", default=None,
+                   help="comma list of small, decode, prefill, decode-big (decode's 128 tokens on buffers sized for "
+                        "4096), sweep (default: by platform)")
     p.add_argument("--ranks", type=int, default=None, help="EP ranks (default: every device of the platform)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default 1000 on GPU, 20 on CPU)")
     p.add_argument("--sweep-iters", type=int, default=None, help="iterations per sweep point (default iters / 4)")
@@ -479,7 +483,8 @@ def main(argv) -> int:
             print(f"[moe] skip {shape}: {e} experts not divisible by {n} ranks")
             continue
         l = e // n
-        cfg = jax_moe.MoEConfig(e, r, hidden, t, dispatch_dtype=jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
+        cfg = jax_moe.MoEConfig(e, r, hidden, BUFFER_TOKENS.get(shape, t),
+                                dispatch_dtype=jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
         inputs = _inputs(rng, n, t, hidden, e, r, fp8)
         remote_rows = _remote_rows(inputs[2], n, t, l)
         disp_bytes = remote_rows * (hidden * (1 if fp8 else 2) + cfg.num_scales * 4)

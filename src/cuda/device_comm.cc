@@ -73,7 +73,7 @@ void CreateComm(int64_t id, const MoeShape& shape, const std::vector<std::pair<i
           "jax_moe cuda: row sizes must be multiples of 16 bytes");
   Require(shape.scale_bytes() % 4 == 0, "jax_moe cuda: scale rows must be whole float32s");
   Require(shape.experts_per_token <= 32, "jax_moe cuda: at most 32 experts per token (one warp lane each)");
-  Require(shape.num_ranks <= 128, "jax_moe cuda: at most 128 ranks (one thread per peer waits on its flag)");
+  Require(shape.num_ranks <= kMaxRanks, "jax_moe cuda: at most 128 ranks (one thread per peer waits on its flag)");
   Require(int64_t(shape.num_ranks) * shape.max_tokens * shape.experts_per_token < (int64_t(1) << 31),
           "jax_moe cuda: ranks x max_tokens x experts_per_token must fit the int32 route");
   Require(!devices.empty(), "jax_moe cuda: a Communicator needs a local device");

@@ -53,26 +53,45 @@ constexpr int kSumVecs = 4, kSumBytes = kSumVecs * 32 * 16;
 // The reduced modes: this rank's own entries only record their rows (combine_recv reads them from expert_y); per
 // (token owner q on this node, token t, 2 KiB piece) one warp sums the rows of q's token t held here, weighted by the
 // weights dispatch carried (kWeighted) or by 1 (kUnit), in float32, and writes one bf16 row into q's entry of the
-// token's first k here (combine_recv knows it from topk_idx). Rows come from the route table of dispatch_recv; rows
-// at or past `total` (a route not from dispatch_recv) are skipped.
+// token's first k here (combine_recv knows it from topk_idx). Rows come from the route table of dispatch_recv, for
+// the tokens each sender dispatched (the route's sent counts: the work follows them, not max_tokens); rows at or past
+// `total` (a route not from dispatch_recv) are skipped.
 __device__ void SendSums(const KernelArgs& a, Part part, int ch, int mode, const uint8_t* y, const int32_t* route, long long total) {
   const MoeShape& s = a.s;
-  const int r = s.experts_per_token, lane = threadIdx.x & 31;
+  const int n = s.num_ranks, r = s.experts_per_token, lane = threadIdx.x & 31;
   const long long entries = s.entries();
   const int32_t* rows = route + RouteTableOffset(s);
   const float* weights = reinterpret_cast<const float*>(route + RouteWeightsOffset(s));
+  const int32_t* sent = route + RouteSentOffset(s);
+  __shared__ int first_pair[kMaxRanks + 1];  // items by token owner: q's (token, piece) pairs start at first_pair[q]
+  if (threadIdx.x == 0) {
+    int at = 0;
+    for (int q = 0; q < n; ++q) {
+      first_pair[q] = at;
+      const int v = q == a.rank || IsRemote(a, q) ? 0 : sent[q];
+      at += v < 0 ? 0 : (v > s.max_tokens ? s.max_tokens : v);  // a route not from dispatch_recv may hold anything
+    }
+    first_pair[n] = at;
+  }
+  int own_tokens = sent[a.rank];
+  own_tokens = own_tokens < 0 ? 0 : (own_tokens > s.max_tokens ? s.max_tokens : own_tokens);
   int32_t* self = reinterpret_cast<int32_t*>(a.base + a.lay.self) + ch * entries;
   const int32_t* own = rows + a.rank * entries;
-  for (long long j = static_cast<long long>(part.id) * blockDim.x + threadIdx.x; j < entries;
+  for (long long j = static_cast<long long>(part.id) * blockDim.x + threadIdx.x; j < static_cast<long long>(own_tokens) * r;
        j += static_cast<long long>(part.count) * blockDim.x)
     self[j] = own[j] < total ? own[j] : -1;
+  __syncthreads();
   const int row_bytes = s.combine_row_bytes(), chunks = (row_bytes + kSumBytes - 1) / kSumBytes;
-  const long long items = static_cast<long long>(s.num_ranks) * s.max_tokens * chunks;
+  const long long items = static_cast<long long>(first_pair[n]) * chunks;
   for (long long item = part.id * kWarps + (threadIdx.x >> 5); item < items; item += part.count * kWarps) {
-    const long long pair = item / chunks;
-    const int off = static_cast<int>(item - pair * chunks) * kSumBytes;
-    const int q = static_cast<int>(pair / s.max_tokens), t = static_cast<int>(pair - static_cast<long long>(q) * s.max_tokens);
-    if (q == a.rank || IsRemote(a, q)) continue;  // the same for the whole warp
+    const int pair = static_cast<int>(item / chunks);
+    const int off = static_cast<int>(item - static_cast<long long>(pair) * chunks) * kSumBytes;
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {  // the owner of `pair`: the last q with first_pair[q] <= pair
+      const int mid = (lo + hi + 1) >> 1;
+      if (first_pair[mid] <= pair) lo = mid; else hi = mid - 1;
+    }
+    const int q = lo, t = pair - first_pair[q];
     int row = -1;
     float wt = 0.f;
     if (lane < r) {

@@ -47,6 +47,9 @@ __device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io, 
       const int v = idx[i];
       if (v != -1 && (v < 0 || v >= experts)) RaiseError(a, kBadExpertId, v);
     }
+    // How many tokens this round has: the receivers' route tables cover those, not max_tokens.
+    if (threadIdx.x < n && !IsRemote(a, threadIdx.x))
+      reinterpret_cast<int32_t*>(Peer(a, threadIdx.x) + a.lay.sent)[a.rank] = tokens;
   }
 
   // Copies first: their stores drain over NVLink while the block goes on with the scans. One warp per 4 KiB piece
@@ -143,10 +146,12 @@ constexpr int kTableTokens = 64;  // tokens of one route-table job
 // none is here, and its router weight, for the reduced combine modes. One job = (q, kTableTokens tokens), on the
 // grid's last blocks (the rows start at block 0, so at decode the jobs run beside them, not in front): for each
 // local expert, the list entries of those tokens (a binary search: a list is in token order) mark their rows in shared
-// memory, then the job writes all its slots, so every slot is written each round without a grid-wide barrier. Entries
-// from a peer are bounded (t in the job, k < R, i < the checked count) before they are followed.
-__device__ void FillRouteTable(const KernelArgs& a, Part part, const int* start, const int* ok, const int32_t* list,
-                               const uint8_t* toks, const float* w, int x_tokens, int* tab, int32_t* route) {
+// memory, then the job writes all its slots, so every slot of a token sent (t < sent[q]) is written each round
+// without a grid-wide barrier; jobs past a sender's tokens do nothing (buffers sized for prefill cost nothing more at
+// decode). Entries from a peer are bounded (t in the job, k < R, i < the checked count) before they are followed.
+__device__ void FillRouteTable(const KernelArgs& a, Part part, const int* start, const int* ok, const int* sent,
+                               const int32_t* list, const uint8_t* toks, const float* w, int x_tokens, int* tab,
+                               int32_t* route) {
   const MoeShape& s = a.s;
   const int n = s.num_ranks, l = s.local_experts, r = s.experts_per_token;
   const int chunks = (s.max_tokens + kTableTokens - 1) / kTableTokens;
@@ -154,7 +159,8 @@ __device__ void FillRouteTable(const KernelArgs& a, Part part, const int* start,
   float* weights = reinterpret_cast<float*>(route + RouteWeightsOffset(s));
   for (int job = part.count - 1 - part.id; job < n * chunks; job += part.count) {
     const int q = job / chunks, t0 = (job - q * chunks) * kTableTokens;
-    const int tn = s.max_tokens - t0 < kTableTokens ? s.max_tokens - t0 : kTableTokens;
+    if (t0 >= sent[q]) continue;  // the same for the whole block
+    const int tn = sent[q] - t0 < kTableTokens ? sent[q] - t0 : kTableTokens;
     for (int j = threadIdx.x; j < kTableTokens * r; j += blockDim.x) tab[j] = -1;
     __syncthreads();
     if (ok[q] && !IsRemote(a, q)) {
@@ -212,7 +218,8 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io, 
   int* warp_sums = ok + n;          // [32]
   int* loff = warp_sums + 32;       // [blocks]: remote senders only: where block f's entries start in q's list
   int* frows = loff + blocks;       // [n]: remote senders only: token records in q's region
-  int* tab = frows + n;             // [kTableTokens * R]: the rows of one route-table job's entries
+  int* sent = frows + n;            // [n]: tokens each sender on this node dispatched (checked), 0 for remote ones
+  int* tab = sent + n;              // [kTableTokens * R]: the rows of one route-table job's entries
   __shared__ int fab_ok;
   const unsigned long long epoch = Local(a)->epoch[kDispatchRecv] + 1;
   const FabricArgs& fab = a.fab[0];
@@ -231,6 +238,18 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io, 
     ok[q] = fab_ok && HeaderOk(h, fab, epoch, q, s.max_tokens);
     if (fab_ok && !ok[q]) RaiseError(a, kBadPeerData, q);
     frows[q] = ok[q] ? h.rows : 0;
+  }
+  if (threadIdx.x < n) {
+    const int q = threadIdx.x;
+    int v = 0;
+    if (ok[q] && !IsRemote(a, q)) {
+      v = __ldcg(reinterpret_cast<const int32_t*>(a.base + a.lay.sent) + q);
+      if (v < 0 || v > s.max_tokens || (q == a.rank && v != x_tokens)) {
+        RaiseError(a, kBadPeerData, q);
+        v = 0;
+      }
+    }
+    sent[q] = v;
   }
   __syncthreads();
   TracePart0(a, part, kDispatchRecv, epoch, kTraceWaited);
@@ -272,11 +291,12 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io, 
     for (int e = threadIdx.x; e < l; e += blockDim.x) ocounts[e] = start[(e + 1) * n] - start[e * n];
     if (threadIdx.x == 0) route[s.max_recv_rows()] = total;
     for (int f = threadIdx.x; f <= blocks; f += blockDim.x) route[s.max_recv_rows() + 1 + f] = start[f];
+    if (threadIdx.x < n) route[RouteSentOffset(s) + threadIdx.x] = sent[threadIdx.x];
   }
   const int lane = threadIdx.x & 31;
   const int32_t* list = reinterpret_cast<const int32_t*>(a.base + a.lay.list);
   const uint8_t* toks = a.base + a.lay.tokens;
-  FillRouteTable(a, part, start, ok, list, toks, w, x_tokens, tab, route);
+  FillRouteTable(a, part, start, ok, sent, list, toks, w, x_tokens, tab, route);
   const long long entries = s.entries(), rows = padding == kPadLeave ? total : s.max_recv_rows();
   // Warp w takes rows w, w + W, w + 2W, ... (W warps in the grid), 32 at a time: lane j first finds the source of
   // the j-th (one list load each, all in flight together), then the warp copies or zeroes the 32 rows in turn.
@@ -303,8 +323,10 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io, 
         my_tk = __ldcg(lst);
         if (mine > start[lo] && __ldcg(lst - 1) >= my_tk) my_tk = -1;
       }
-      // Own tokens are read from dispatch_send's x: one past its rows cannot come from our own send.
-      if (my_tk < 0 || my_tk >= entries || (my_q == a.rank && my_tk / s.experts_per_token >= x_tokens)) {
+      // Own tokens are read from dispatch_send's x: one past its rows cannot come from our own send; a token of a
+      // sender on this node is below the tokens it said it sent (the route table covers only those).
+      if (my_tk < 0 || my_tk >= entries ||
+          (!IsRemote(a, my_q) && my_tk / s.experts_per_token >= sent[my_q])) {
         RaiseError(a, kBadPeerData, my_q);
         my_tk = -1;
       }
@@ -361,7 +383,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 }
 
 size_t DispatchRecvSmem(const MoeShape& s) {
-  return sizeof(int) * (s.num_experts + 1 + s.num_ranks + 32 + s.num_experts + s.num_ranks +
+  return sizeof(int) * (s.num_experts + 1 + s.num_ranks + 32 + s.num_experts + 2 * s.num_ranks +
                         kTableTokens * s.experts_per_token);
 }
 

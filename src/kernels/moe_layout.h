@@ -56,6 +56,7 @@ struct MoeLayout {
   size_t peers = 0;   // uint8_t* [n]: every peer's buffer base, as this device addresses it
   size_t trace = 0;   // uint64 [kTraceRing][kHalves][kTracePoints] (this device only)
   size_t counts = 0;  // int32 [n][l]: tokens per local expert from sender s
+  size_t sent = 0;    // int32 [n]: tokens sender s dispatched this round (bounds the route table's work)
   size_t list = 0;    // int32 [n][l][max_tokens]: t * R + k on sender s of the i-th token for local expert e
   size_t tokens = 0;  // [n][max_tokens] records of RecordBytes: token t of sender s, its scales, then its R router
                       // weights when dispatch_send was given them (only the tokens sent are written)
@@ -109,6 +110,7 @@ inline MoeLayout MakeLayout(const MoeShape& s) {
   m.peers = take(sizeof(void*) * s.num_ranks);
   m.trace = take(sizeof(unsigned long long) * kTraceRing * kHalves * kTracePoints);
   m.counts = take(sizeof(int32_t) * s.num_ranks * s.local_experts);
+  m.sent = take(sizeof(int32_t) * s.num_ranks);
   m.list = take(sizeof(int32_t) * size_t(s.num_ranks) * s.local_experts * s.max_tokens);
   m.tokens = take(size_t(RecordBytes(s)) * s.num_ranks * s.max_tokens);
   m.comb = take(size_t(s.combine_row_bytes()) * s.entries() * kCombineChannels);
@@ -120,11 +122,14 @@ inline MoeLayout MakeLayout(const MoeShape& s) {
 }
 
 // route of dispatch_recv (int32): [M] rows' origins, [M] rows received, then [E + 1] the exclusive prefix of the rows
-// per (local expert, sender) block, which combine_send needs to pack a remote rank's rows in its order; then per
-// (sender s, token t, k) the expert_x row of entry (t, k) of s ([n][max_tokens][R], -1 where none is here) and its
-// router weight as float32 bits (0 where none), which the reduced combine modes sum by (not filled for senders on
-// other nodes: their rows go back per entry).
-JAX_MOE_HD inline int64_t RouteTableOffset(const MoeShape& s) { return s.max_recv_rows() + 2 + s.num_experts; }
+// per (local expert, sender) block, which combine_send needs to pack a remote rank's rows in its order; then [n] the
+// tokens each sender on this node dispatched (0 for senders on other nodes); then per (sender s, token t, k) the
+// expert_x row of entry (t, k) of s ([n][max_tokens][R], -1 where none is here) and its router weight as float32 bits
+// (0 where none), which the reduced combine modes sum by. Only the slots of tokens t < sent[s] are written each round:
+// the table's work follows the tokens sent, not max_tokens (not filled for senders on other nodes: their rows go back
+// per entry).
+JAX_MOE_HD inline int64_t RouteSentOffset(const MoeShape& s) { return s.max_recv_rows() + 2 + s.num_experts; }
+JAX_MOE_HD inline int64_t RouteTableOffset(const MoeShape& s) { return RouteSentOffset(s) + s.num_ranks; }
 JAX_MOE_HD inline int64_t RouteTableLength(const MoeShape& s) { return int64_t(s.num_ranks) * s.entries(); }
 JAX_MOE_HD inline int64_t RouteWeightsOffset(const MoeShape& s) { return RouteTableOffset(s) + RouteTableLength(s); }
 JAX_MOE_HD inline int64_t RouteLength(const MoeShape& s) { return RouteWeightsOffset(s) + RouteTableLength(s); }
@@ -160,6 +165,9 @@ struct FabricArgs {
   unsigned int comm_id = 0;              // the regions' header comm_id (the stream's immediate id)
 };
 
+// Ranks of one Communicator at most: one thread of a block waits on each peer's flag.
+constexpr int kMaxRanks = 128;
+
 // Everything a kernel needs about its device's group membership; passed by value.
 struct KernelArgs {
   MoeShape s;
@@ -177,7 +185,7 @@ struct KernelArgs {
   long long timeout_ns = 0;         // bound of every wait on a peer
   int num_sms = 1;
   int trace = 0;                    // record the device-side trace (see kTraceRing)
-  unsigned int remote[4] = {0, 0, 0, 0};  // bit p: rank p is on another node (reached through the host proxy)
+  unsigned int remote[kMaxRanks / 32] = {};  // bit p: rank p is on another node (reached through the host proxy)
   int num_remote = 0;
   FabricArgs fab[kFabricStreams];   // dispatch, combine channel 0, 1 (when num_remote > 0)
 };
