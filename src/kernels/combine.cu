@@ -77,9 +77,11 @@ __device__ void SendSums(const KernelArgs& a, Part part, int ch, int mode, const
   own_tokens = own_tokens < 0 ? 0 : (own_tokens > s.max_tokens ? s.max_tokens : own_tokens);
   int32_t* self = reinterpret_cast<int32_t*>(a.base + a.lay.self) + ch * entries;
   const int32_t* own = rows + a.rank * entries;
-  for (long long j = static_cast<long long>(part.id) * blockDim.x + threadIdx.x; j < static_cast<long long>(own_tokens) * r;
+  // Every entry (one store each): past the tokens sent the table is stale, and combine_recv must find -1 there.
+  const long long own_entries = static_cast<long long>(own_tokens) * r;
+  for (long long j = static_cast<long long>(part.id) * blockDim.x + threadIdx.x; j < entries;
        j += static_cast<long long>(part.count) * blockDim.x)
-    self[j] = own[j] < total ? own[j] : -1;
+    self[j] = j < own_entries && own[j] < total ? own[j] : -1;
   __syncthreads();
   const int row_bytes = s.combine_row_bytes(), chunks = (row_bytes + kSumBytes - 1) / kSumBytes;
   const long long items = static_cast<long long>(first_pair[n]) * chunks;
@@ -372,14 +374,20 @@ __global__ void TimestampKernel(uint64_t* out) { out[0] = GlobalTimer(); }
 
 }  // namespace
 
-LaunchShape CombineSendShape(const KernelArgs& a, int mode) {
-  // A warp per 4 KiB piece of a row, or per 2 KiB piece of a (token owner, token) sum (the rows received are not
-  // known on the host): every SM takes a share.
-  const long long items = mode == kPerEntry ? a.s.max_recv_rows() * ChunksOf(a.s.combine_row_bytes())
-                                            : int64_t(a.s.num_ranks) * a.s.max_tokens *
+namespace {
+// combine_send's blocks (or the one kernel's send parts) when every rank dispatched `tokens` tokens: a warp per 4 KiB
+// piece of a row received, or per 2 KiB piece of a (token owner, token) sum. The host knows no peer's tokens, only
+// (for the one-shot call) its own; ranks of one program dispatch alike, and any count is correct (the loops stride).
+LaunchShape SendShapeFor(const KernelArgs& a, int mode, long long tokens) {
+  const long long rows = a.s.max_recv_rows() / a.s.max_tokens * tokens;  // N * min(R, L) rows a token at most
+  const long long items = mode == kPerEntry ? rows * ChunksOf(a.s.combine_row_bytes())
+                                            : int64_t(a.s.num_ranks) * tokens *
                                                   ((a.s.combine_row_bytes() + kSumBytes - 1) / kSumBytes);
   return {GridFor(items, kWarps, a.num_sms), kThreads};
 }
+}  // namespace
+
+LaunchShape CombineSendShape(const KernelArgs& a, int mode) { return SendShapeFor(a, mode, a.s.max_tokens); }
 
 namespace {
 // Warp items of combine_recv: (token, piece) pairs.
@@ -418,7 +426,7 @@ LaunchShape CombineShape(const KernelArgs& a, int mode, int tokens) {
   if (a.num_remote > 0 || !OneKernelAllowed()) return {0, kThreads};
   const int recvs = FusedRecvParts(a, tokens);
   if (recvs == 0) return {0, kThreads};
-  const int parts = CombineSendShape(a, mode).blocks + recvs;
+  const int parts = SendShapeFor(a, mode, tokens).blocks + recvs;
   return {OneKernelBlocks(reinterpret_cast<const void*>(CombineKernel), kThreads, CombineRecvSmem(a), a.num_sms, parts),
           kThreads};
 }
@@ -443,8 +451,8 @@ cudaError_t LaunchCombine(const KernelArgs& a, const CombineSendIo& send, const 
                           cudaStream_t stream, bool* send_launched) {
   *send_launched = false;
   if (const int grid = CombineShape(a, send.mode, recv.tokens).blocks; grid > 0) {
-    CombineKernel<<<grid, kThreads, CombineRecvSmem(a), stream>>>(a, send, recv, CombineSendShape(a, send.mode).blocks,
-                                                                FusedRecvParts(a, recv.tokens));
+    CombineKernel<<<grid, kThreads, CombineRecvSmem(a), stream>>>(
+        a, send, recv, SendShapeFor(a, send.mode, recv.tokens).blocks, FusedRecvParts(a, recv.tokens));
     return cudaGetLastError();
   }
   if (cudaError_t err = LaunchCombineSend(a, send, stream); err != cudaSuccess) return err;

@@ -1,9 +1,12 @@
 // The one-shot kernel's schedule: every block takes parts from one queue, all of the send half's before any of the
 // receive half's. A receive part waits for every send part to end (the send's last part raises the flags it waits
 // on), and every send part was taken, so is running or done, by the time any receive part is taken: no block ever
-// waits for a block that is not resident. So the one kernel needs no cooperative launch, runs correctly on however
-// many SMs it gets (beside other kernels, under MPS, on a shared GPU), and a send part never waits behind our own
-// spinning receive parts. A block takes its next part while it works on this one, to hide the atomic's latency.
+// waits for a block of its own grid that is not resident. So the one kernel needs no cooperative launch, runs
+// correctly on however many SMs it gets (beside other kernels), and a send part never waits behind our own spinning
+// receive parts. Receive parts still wait on the peers' sends, as the receive kernel does: peers sharing one GPU
+// need each process capped below the whole GPU (MPS with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, or time-slicing), or
+// one rank's spinning grid can starve the other's until the timeout. A block takes its next part while it works on
+// this one, to hide the atomic's latency.
 #pragma once
 #include "kernels/part.cuh"
 #include "kernels/sync.cuh"
@@ -43,6 +46,7 @@ __device__ __forceinline__ void RunQueued(const KernelArgs& a, int stream, int s
   if (taker) {
     __threadfence();
     if (atomicAdd(&Local(a)->queue_left[stream], 1u) == gridDim.x - 1) {
+      __threadfence();  // after every block's last ticket (each fenced before its arrival above)
       *queue = 0;  // every block has taken its last ticket: the next launch starts from part 0
       Local(a)->queue_left[stream] = 0;
     }
