@@ -15,6 +15,7 @@ from jax_moe.types import CombineHandle, Dispatched, DispatchHandle
 
 _ids = itertools.count(1)
 FABRIC_PROVIDERS = ("auto", "tcp", "shm", "efa", "verbs")
+FABRIC_MEMORIES = ("auto", "device", "host")
 
 
 def _env_timeout() -> float:
@@ -65,6 +66,10 @@ class Communicator:
       $JAX_MOE_TIMEOUT_S, else 60 s).
     fabric_provider: TransferEngine provider between processes ("auto", "tcp", "shm", "efa", "verbs"; default
       $JAX_MOE_FABRIC_PROVIDER or "auto").
+    fabric_memory: "cuda" only: where the areas that ranks on other nodes write into live: "auto" (GPU memory where
+      the provider can register it, FI_HMEM with CUDA; else pinned host memory), "device" (GPU memory, or an error
+      saying why not), "host" (pinned host memory). Default $JAX_MOE_FABRIC_MEMORY, else "auto".
+      `comm.backend.fabric_info()` says which was used.
     ranks_per_node: "cuda" only: treat consecutive groups of this many ranks as one node (default
       $JAX_MOE_RANKS_PER_NODE, else one node per host). Ranks of one node reach each other over NVLink; ranks of
       other nodes through the host proxy and the TransferEngine (fabric_provider). For tests on one host, and for
@@ -73,7 +78,8 @@ class Communicator:
 
     def __init__(self, cfg: MoEConfig, mesh: Any, axis_name: Union[str, Sequence[str]] = "ep",
                  backend: str = "auto", *, timeout_s: Optional[float] = None,
-                 fabric_provider: Optional[str] = None, ranks_per_node: Optional[int] = None):
+                 fabric_provider: Optional[str] = None, ranks_per_node: Optional[int] = None,
+                 fabric_memory: Optional[str] = None):
         if not isinstance(cfg, MoEConfig):
             raise TypeError(f"Communicator: cfg must be a jax_moe.MoEConfig, got {type(cfg).__name__}")
         names = getattr(mesh, "axis_names", None)
@@ -93,6 +99,11 @@ class Communicator:
         if fabric_provider is not None and fabric_provider not in FABRIC_PROVIDERS:
             raise ValueError(f"Communicator: fabric_provider must be one of {FABRIC_PROVIDERS}, "
                              f"got {fabric_provider!r}")
+        if fabric_memory is None:
+            fabric_memory = os.environ.get("JAX_MOE_FABRIC_MEMORY") or "auto"
+        if fabric_memory not in FABRIC_MEMORIES:
+            raise ValueError(f"Communicator: fabric_memory must be one of {FABRIC_MEMORIES}, got {fabric_memory!r}"
+                             " (from $JAX_MOE_FABRIC_MEMORY where not given)")
         if ranks_per_node is None:
             ranks_per_node = _env_ranks_per_node()
         if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
@@ -101,6 +112,7 @@ class Communicator:
         # One bound for every wait of every backend; the environment gives the default.
         self.timeout_s: float = float(timeout_s) if timeout_s is not None else _env_timeout()
         self.fabric_provider: str = fabric_provider if fabric_provider is not None else _env_provider()
+        self.fabric_memory: str = fabric_memory
         self.cfg = cfg
         self.mesh = mesh
         self.axis_name: Union[str, tuple[str, ...]] = axis_name if isinstance(axis_name, str) else axes

@@ -59,6 +59,11 @@ class MemoryRegion:
     def device(self) -> int:
         return int(self._region.device)
 
+    @property
+    def registration(self) -> str:
+        """How the engine registered the memory (host, or GPU memory through a dmabuf or the provider's own path)."""
+        return str(self._region.registration)
+
     def __repr__(self) -> str:
         return f"MemoryRegion(ptr=0x{self.ptr:x}, nbytes={self.nbytes}, device={self.device})"
 
@@ -104,15 +109,17 @@ class TransferEngine:
 
     provider: "auto" (efa, then verbs, then tcp, then shm), "efa", "verbs", "tcp" or "shm".
     num_nics: domains to open; a peer set's members are sharded over them.
+    fake_device_memory: tests without a GPU: register_ptr(..., device=k) takes host memory and carries it as a
+      device region (its `registration` says so), so that the paths for device regions run on CPU.
     """
 
     def __init__(self, provider: str = "auto", num_nics: int = 1, *, progress_cpu: int = -1,
-                 busy_poll: bool = False):
+                 busy_poll: bool = False, fake_device_memory: bool = False):
         if not isinstance(provider, str):
             raise ValueError("provider must be a string")
         if int(num_nics) < 1:
             raise ValueError(f"num_nics must be >= 1, got {num_nics}")
-        self._eng = _f.Engine(provider, int(num_nics), int(progress_cpu), bool(busy_poll))
+        self._eng = _f.Engine(provider, int(num_nics), int(progress_cpu), bool(busy_poll), bool(fake_device_memory))
         self._peer_sets: dict[int, int] = {}  # peer set id -> member count
         self._max_imm = int(self._eng.max_imm)
         self._closed = False
@@ -129,6 +136,12 @@ class TransferEngine:
     @property
     def num_nics(self) -> int:
         return int(self._eng.num_nics)
+
+    @property
+    def supports_device_memory(self) -> bool:
+        """Whether the provider granted FI_HMEM (or this engine fakes device memory); a registration of CUDA memory
+        can still be refused (a libfabric built without CUDA), with a RuntimeError saying so."""
+        return bool(self._eng.supports_device_memory)
 
     @property
     def max_imm(self) -> int:
@@ -150,14 +163,21 @@ class TransferEngine:
         region = self._eng.register_ptr(int(array.ctypes.data), int(array.nbytes), -1)
         return MemoryRegion(region, array, self)
 
-    def register_ptr(self, ptr: int, nbytes: int, device: int = -1) -> MemoryRegion:
-        """Register raw memory: a host pointer (device=-1) or CUDA device memory (device >= 0)."""
-        ptr, nbytes, device = int(ptr), int(nbytes), int(device)
+    def register_ptr(self, ptr: int, nbytes: int, device: int = -1, dmabuf_fd: int = -1,
+                     dmabuf_offset: int = 0) -> MemoryRegion:
+        """Register raw memory: a host pointer (device=-1) or CUDA device memory (device >= 0), optionally through a
+        dmabuf of it (`dmabuf_fd` >= 0, `ptr` at `dmabuf_offset` in it) where the provider takes one."""
+        ptr, nbytes, device, dmabuf_fd, dmabuf_offset = int(ptr), int(nbytes), int(device), int(dmabuf_fd), \
+            int(dmabuf_offset)
         if ptr <= 0:
             raise ValueError("register_ptr(): null pointer")
         if nbytes <= 0:
             raise ValueError("register_ptr(): nbytes must be > 0")
-        return MemoryRegion(self._eng.register_ptr(ptr, nbytes, device), None, self)
+        if dmabuf_fd >= 0 and device < 0:
+            raise ValueError("register_ptr(): a dmabuf_fd is for device memory (device >= 0)")
+        if dmabuf_offset < 0:
+            raise ValueError(f"register_ptr(): dmabuf_offset is negative ({dmabuf_offset})")
+        return MemoryRegion(self._eng.register_ptr(ptr, nbytes, device, dmabuf_fd, dmabuf_offset), None, self)
 
     # -- peers ------------------------------------------------------------------------------------
     def connect(self, address: bytes, timeout_s: float = 30.0) -> int:

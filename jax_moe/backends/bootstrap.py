@@ -44,6 +44,7 @@ class NativeOptions:
     timeout_s: float
     fabric_provider: Optional[str]  # the TransferEngine's provider; None where the backend does not use it
     ranks_per_node: Optional[int] = None  # forced node size ("cuda"); None: one node per host
+    fabric_memory: str = "auto"  # where "cuda"'s areas for remote ranks live: "auto", "device", "host"
 
     @classmethod
     def of(cls, comm: "Communicator", backend: str, uses_fabric: bool) -> "NativeOptions":
@@ -54,7 +55,8 @@ class NativeOptions:
                    x_itemsize=np.dtype(cfg.dispatch_dtype).itemsize, num_scales=cfg.num_scales,
                    y_itemsize=np.dtype(cfg.combine_dtype).itemsize, timeout_s=float(comm.timeout_s),
                    fabric_provider=comm.fabric_provider if uses_fabric else None,
-                   ranks_per_node=getattr(comm, "ranks_per_node", None))
+                   ranks_per_node=getattr(comm, "ranks_per_node", None),
+                   fabric_memory=getattr(comm, "fabric_memory", "auto"))
 
     @property
     def timeout_ms(self) -> int:

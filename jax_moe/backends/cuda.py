@@ -190,7 +190,8 @@ class CudaBackend(NativeBackend):
         connects them."""
         mine: dict[str, Any] = {}
         for d, _ in fabric:
-            address, areas = self._mod.open_fabric(self.native_id, d.local_id, self.options.fabric_provider)
+            address, areas = self._mod.open_fabric(self.native_id, d.local_id, self.options.fabric_provider,
+                                                   self.options.fabric_memory)
             mine[str(d.device_id)] = [address.hex(), [a.hex() for a in areas]]
         records = dict(bootstrap.exchange(self.options, self.table, lambda: mine, stage="fabric").records)
         records[jax.process_index()] = mine

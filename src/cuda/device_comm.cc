@@ -192,7 +192,8 @@ void ConnectComm(int64_t id, int ordinal, const std::vector<PeerSpec>& peers) {
   dev->connected = !any_remote;  // else once its fabric is connected
 }
 
-std::pair<std::string, std::vector<std::string>> OpenFabric(int64_t id, int ordinal, const std::string& provider) {
+std::pair<std::string, std::vector<std::string>> OpenFabric(int64_t id, int ordinal, const std::string& provider,
+                                                             AreaMemory memory) {
   auto dev = MustFind(id, ordinal);
   Require(!dev->fabric, "jax_moe cuda: the fabric of a device is opened once");
   Require(!dev->remote.empty(), "jax_moe cuda: connect the device before opening its fabric");
@@ -208,7 +209,7 @@ std::pair<std::string, std::vector<std::string>> OpenFabric(int64_t id, int ordi
   }
   DeviceScope scope(ordinal);
   dev->fabric = std::make_unique<DeviceFabric>(dev->args.s, dev->args.rank, static_cast<uint32_t>(id), dev->remote,
-                                               ordinal, provider, dev->timeout_s);
+                                               ordinal, provider, dev->timeout_s, memory);
   return {dev->fabric->Address(), dev->fabric->Descriptors()};
 }
 

@@ -73,7 +73,8 @@ void DestroyComm(int64_t id);
 void DestroyAllComms();
 // For a device with remote ranks (after ConnectComm): its engine, areas and pump on `provider`. Returns the engine's
 // address and the receive areas' descriptors, for the remote ranks' processes.
-std::pair<std::string, std::vector<std::string>> OpenFabric(int64_t id, int ordinal, const std::string& provider);
+std::pair<std::string, std::vector<std::string>> OpenFabric(int64_t id, int ordinal, const std::string& provider,
+                                                             AreaMemory memory = AreaMemory::kAuto);
 // Connects the device to its remote ranks and starts its pump; then the device may launch.
 void ConnectFabric(int64_t id, int ordinal, const std::vector<RemoteEndpoint>& peers);
 

@@ -9,8 +9,10 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "common/error.h"
+#include "common/log.h"
 #include "cuda/cuda_scope.h"
 #include "proxy/imm.h"
 
@@ -35,6 +37,7 @@ std::set<std::pair<int, uint32_t>>& LiveIds() {
 // What a fabric's writes read and write: kept past the fabric when some of them never completed (KeepUntilClosed).
 struct Areas {
   std::vector<std::unique_ptr<PinnedBuffer>> buffers;
+  std::vector<std::unique_ptr<DeviceMemory>> hbm;
   std::vector<std::shared_ptr<fabric::MemoryRegion>> regions;  // deregistered first, then the memory freed
 };
 
@@ -79,8 +82,16 @@ PinnedBuffer::~PinnedBuffer() {
   if (host_) cudaFreeHost(host_);
 }
 
+AreaMemory ParseAreaMemory(const std::string& name) {
+  if (name == "auto" || name.empty()) return AreaMemory::kAuto;
+  if (name == "device") return AreaMemory::kDevice;
+  if (name == "host") return AreaMemory::kHost;
+  Throw(ErrorCode::kInvalidArgument, "jax_moe cuda: fabric_memory must be \"auto\", \"device\" or \"host\", got \"" +
+                                         name + "\"");
+}
+
 DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, const std::vector<bool>& remote,
-                           int ordinal, const std::string& provider, double timeout_s)
+                           int ordinal, const std::string& provider, double timeout_s, AreaMemory memory)
     : shape_(shape), rank_(rank), timeout_s_(timeout_s), remote_(remote), ordinal_(ordinal), provider_(provider),
       id_(comm_id & kIdMask) {
   const int64_t n = shape.num_ranks;
@@ -96,9 +107,15 @@ DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, co
     fabric::EngineOptions options;
     options.busy_poll = true;  // the proxy thread of a GPU spins: every microsecond it naps is on the data path
     options.progress_cpu = proxy_cpu_ = ProxyCpu(ordinal);
+    char bus[32] = {};  // the GPU's PCI address: its engine opens the NICs nearest to it (fabric/nic_topology.h)
+    if (cudaDeviceGetPCIBusId(bus, sizeof(bus), ordinal) == cudaSuccess) {
+      options.pci_bus_id = bus;
+    } else {
+      cudaGetLastError();
+    }
     engine_ = proxy::AcquireEngine(EngineKey(), provider, options);
     Require(engine_->max_imm() == UINT32_MAX, "DeviceFabric: the fabric provider does not carry 32-bit immediates");
-    Open(n, rank);
+    Open(n, rank, memory);
   } catch (...) {
     streams_.clear();
     engine_.reset();
@@ -108,7 +125,33 @@ DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, co
   }
 }
 
-void DeviceFabric::Open(int64_t n, int rank) {
+std::pair<Area, std::shared_ptr<fabric::MemoryRegion>> DeviceFabric::NewArea(size_t bytes) {
+  Area area;
+  area.bytes = bytes;
+  std::shared_ptr<fabric::MemoryRegion> mr;
+  if (on_gpu_) {
+    area.hbm = std::make_unique<DeviceMemory>(bytes, ordinal_);
+    fabric::MemorySpec spec;
+    spec.device = ordinal_;
+    spec.dmabuf_fd = area.hbm->dmabuf_fd();
+    mr = engine_->Register(area.hbm->data(), bytes, spec);
+  } else {
+    area.pinned = std::make_unique<PinnedBuffer>(bytes);
+    mr = engine_->Register(area.pinned->host(), bytes);
+  }
+  return {std::move(area), std::move(mr)};
+}
+
+void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory) {
+  // GPU memory where the engine takes it: the NIC then writes the rows where the receive kernels read them (HBM),
+  // instead of into host memory that every kernel read crosses PCIe for. The first registration decides; a refusal
+  // there (a libfabric without CUDA) falls back to pinned host memory, unless GPU memory was asked for explicitly.
+  on_gpu_ = memory != AreaMemory::kHost;
+  if (on_gpu_ && !engine_->supports_device_memory()) {
+    fallback_ = "provider " + engine_->provider() + " did not grant FI_HMEM";
+    on_gpu_ = false;
+  }
+  if (on_gpu_) visibility_ = VisibilityOf(ordinal_);
   // Streams: dispatch, combine channel 0, combine channel 1. The two combine channels share the immediate kinds and
   // differ in their id (bit 14), so their arrivals and credits are counted apart.
   const uint32_t id = id_;
@@ -124,10 +167,21 @@ void DeviceFabric::Open(int64_t n, int rank) {
     st.comm_id = id | (i == 2 ? 0x4000u : 0u);
     const proxy::Lanes lanes{n, kFabricLanes, st.region};
     st.words = std::make_unique<PinnedBuffer>(sizeof(uint64_t) * (proxy::kBellWords + kFabricLanes * n));
-    st.send = std::make_unique<PinnedBuffer>(lanes.buffer_bytes());
-    st.recv = std::make_unique<PinnedBuffer>(lanes.buffer_bytes());
-    st.send_mr = engine_->Register(st.send->host(), st.send->size());
-    st.recv_mr = engine_->Register(st.recv->host(), st.recv->size());
+    if (i == 0 && on_gpu_) {
+      try {
+        std::tie(st.send, st.send_mr) = NewArea(lanes.buffer_bytes());
+      } catch (const jax_moe::Error& e) {
+        if (e.code() != ErrorCode::kUnavailable || memory == AreaMemory::kDevice) {
+          Throw(e.code(), std::string("jax_moe cuda: fabric_memory=\"device\": ") + e.what());
+        }
+        fallback_ = e.what();
+        on_gpu_ = false;
+        st.send = Area{};
+        st.send_mr.reset();
+      }
+    }
+    if (!st.send_mr) std::tie(st.send, st.send_mr) = NewArea(lanes.buffer_bytes());
+    std::tie(st.recv, st.recv_mr) = NewArea(lanes.buffer_bytes());
     proxy::ChannelConfig config;
     config.name = names[i];
     config.data_kind = data[i];
@@ -140,7 +194,26 @@ void DeviceFabric::Open(int64_t n, int rank) {
         [](uint64_t) -> proxy::Block { Throw(ErrorCode::kInternal, "DeviceFabric: the device packs its regions"); },
         mu_, cv_);
   }
+  if (!fallback_.empty() && memory == AreaMemory::kDevice) {
+    Throw(ErrorCode::kUnavailable, "jax_moe cuda: fabric_memory=\"device\" but " + fallback_);
+  }
+  if (!fallback_.empty()) {
+    JAX_MOE_LOG(kInfo, "jax_moe cuda: GPU %d's fabric areas in pinned host memory: %s", ordinal_, fallback_.c_str());
+  }
+  if (on_gpu_ && visibility_ == RdmaVisibility::kUnavailable) {
+    JAX_MOE_LOG(kWarn, "jax_moe cuda: GPU %d neither orders nor flushes GPUDirect RDMA writes; a NIC's writes may "
+                "reach the receive kernels late (fabric_memory=\"host\" avoids it)", ordinal_);
+  }
 }
+
+std::string DeviceFabric::MemoryName() const {
+  if (streams_.empty()) return "none";
+  const char* how = fabric::RegistrationName(streams_[0].recv_mr->registration());
+  return on_gpu_ ? std::string("gpu, registered as ") + how
+                 : std::string("pinned host memory mapped into the GPU, registered as ") + how;
+}
+
+std::string DeviceFabric::VisibilityName() const { return on_gpu_ ? cuda::VisibilityName(visibility_) : "n/a"; }
 
 DeviceFabric::~DeviceFabric() {
   if (pump_) pump_->Drain(timeout_s_ < kDrainBoundS ? timeout_s_ : kDrainBoundS);
@@ -161,7 +234,11 @@ DeviceFabric::~DeviceFabric() {
     // may still write into our receive areas. Their memory stays registered until the engine itself is closed.
     auto areas = std::make_shared<Areas>();
     for (Stream& st : streams_) {
-      for (auto* b : {&st.words, &st.send, &st.recv}) areas->buffers.push_back(std::move(*b));
+      areas->buffers.push_back(std::move(st.words));
+      for (Area* a : {&st.send, &st.recv}) {
+        if (a->pinned) areas->buffers.push_back(std::move(a->pinned));
+        if (a->hbm) areas->hbm.push_back(std::move(a->hbm));
+      }
       areas->regions.push_back(std::move(st.send_mr));
       areas->regions.push_back(std::move(st.recv_mr));
     }
@@ -199,7 +276,7 @@ void DeviceFabric::Connect(const std::vector<RemoteEndpoint>& peers, std::functi
     ids.push_back(engine_->Connect(e->address, timeout_s_));
     for (int i = 0; i < kFabricStreams; ++i) {
       regions[i].push_back(fabric::RegionDescriptor::Parse(e->receive[i]));
-      Require(regions[i].back().size == streams_[i].recv->size(),
+      Require(regions[i].back().size == streams_[i].recv.bytes,
               "DeviceFabric: rank " + std::to_string(p) + " registered areas of another size (configs differ?)");
     }
   }
@@ -210,7 +287,19 @@ void DeviceFabric::Connect(const std::vector<RemoteEndpoint>& peers, std::functi
     uint64_t* words = reinterpret_cast<uint64_t*>(st.words->host());
     links.push_back({st.channel.get(), st.send_mr.get(), words, words + proxy::kBellWords});
   }
-  pump_ = std::make_unique<proxy::Pump>(std::move(links), timeout_s_, std::move(name));
+  std::function<void()> flush;
+  if (on_gpu_ && visibility_ == RdmaVisibility::kFlush) {
+    const int ordinal = ordinal_;
+    flush = [ordinal] {  // on the engine's progress thread, which serves this GPU only
+      static thread_local int current = -1;
+      if (current != ordinal) {
+        Check(cudaSetDevice(ordinal), "cudaSetDevice(proxy thread)");
+        current = ordinal;
+      }
+      FlushRdmaWrites();
+    };
+  }
+  pump_ = std::make_unique<proxy::Pump>(std::move(links), timeout_s_, std::move(name), false, std::move(flush));
 }
 
 void DeviceFabric::Fill(KernelArgs& a) const {
@@ -224,8 +313,8 @@ void DeviceFabric::Fill(KernelArgs& a) const {
   for (int i = 0; i < kFabricStreams; ++i) {
     const Stream& st = streams_[i];
     FabricArgs& f = a.fab[i];
-    f.send = st.send->device();
-    f.recv = st.recv->device();
+    f.send = st.send.kernel();
+    f.recv = st.recv.kernel();
     f.bell = reinterpret_cast<unsigned long long*>(st.words->device());
     f.bytes = f.bell + proxy::kBellWords;
     f.region = st.region;
@@ -237,7 +326,7 @@ std::string DeviceFabric::Error() const { return pump_ ? pump_->error() : std::s
 
 uint64_t DeviceFabric::BytesAllocated() const {
   uint64_t total = 0;
-  for (const Stream& st : streams_) total += st.words->size() + st.send->size() + st.recv->size();
+  for (const Stream& st : streams_) total += st.words->size() + st.send.allocated() + st.recv.allocated();
   return total;
 }
 

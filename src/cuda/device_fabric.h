@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/device_memory.h"
 #include "fabric/transfer_engine.h"
 #include "kernels/moe_layout.h"
 #include "proxy/channel.h"
@@ -40,6 +41,22 @@ class PinnedBuffer {
   size_t size_ = 0;
 };
 
+// One fabric area (a stream's send or receive regions): in GPU memory where the engine registers device memory (the
+// NIC reads and writes HBM, the kernels too), else in pinned host memory mapped into the GPU.
+struct Area {
+  std::unique_ptr<PinnedBuffer> pinned;
+  std::unique_ptr<DeviceMemory> hbm;
+  size_t bytes = 0;  // registered and used (the allocation may be larger)
+  uint8_t* kernel() const { return hbm ? hbm->data() : pinned->device(); }
+  void* registered() const { return hbm ? static_cast<void*>(hbm->data()) : static_cast<void*>(pinned->host()); }
+  size_t allocated() const { return hbm ? hbm->size() : pinned->size(); }
+};
+
+// Where the fabric areas of a device live: "auto" (GPU memory where the engine can register it, else pinned host
+// memory), "device" (GPU memory or an error saying why not), "host" (pinned host memory).
+enum class AreaMemory { kAuto, kDevice, kHost };
+AreaMemory ParseAreaMemory(const std::string& name);
+
 // One remote rank as the other process published it.
 struct RemoteEndpoint {
   int rank = 0;
@@ -52,7 +69,7 @@ class DeviceFabric {
   // remote[p]: rank p is on another node. comm_id: the Communicator's id (its low 14 bits tag the immediates; no two
   // live fabrics of a process may share them). ordinal: the GPU (its engine is shared with the GPU's other fabrics).
   DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, const std::vector<bool>& remote, int ordinal,
-               const std::string& provider, double timeout_s);
+               const std::string& provider, double timeout_s, AreaMemory memory = AreaMemory::kAuto);
   // Drains (bounded), stops the pump, waits for its own writes (bounded), gives the engine its peer sets and banked
   // immediates back, frees the areas, then lets go of the engine.
   ~DeviceFabric();
@@ -72,14 +89,23 @@ class DeviceFabric {
   std::string Error() const;
   ErrorCode ErrorCodeOf() const { return pump_ ? pump_->error_code() : ErrorCode::kInternal; }
   uint64_t BytesAllocated() const;
+  // Where the areas live and how the engine registered them ("gpu, cuda (dmabuf)", "host, ..."), and, when GPU
+  // memory was wanted and not used, why.
+  bool on_gpu() const { return on_gpu_; }
+  std::string MemoryName() const;
+  const std::string& fallback_reason() const { return fallback_; }
+  // What the proxy does so that NIC writes into GPU memory are visible to the kernels (areas on the GPU only).
+  std::string VisibilityName() const;
   // Per round of the dispatch stream: when the pump saw the bell, posted, flagged arrival (steady-clock ns).
   std::vector<std::array<int64_t, 3>> Trace() const;
 
  private:
-  void Open(int64_t n, int rank);  // the streams' areas, registrations and channels
+  void Open(int64_t n, int rank, AreaMemory memory);  // the streams' areas, registrations and channels
+  // A stream's area of `bytes` and its registration, on the GPU when on_gpu_.
+  std::pair<Area, std::shared_ptr<fabric::MemoryRegion>> NewArea(size_t bytes);
   struct Stream {
     std::unique_ptr<PinnedBuffer> words;  // bell (kBellWords), then bytes [kFabricLanes][N]
-    std::unique_ptr<PinnedBuffer> send, recv;
+    Area send, recv;
     std::shared_ptr<fabric::MemoryRegion> send_mr, recv_mr;
     std::unique_ptr<proxy::Channel> channel;
     uint64_t region = 0;
@@ -92,6 +118,9 @@ class DeviceFabric {
   int ordinal_;
   std::string provider_;
   int proxy_cpu_ = -1;
+  bool on_gpu_ = false;
+  std::string fallback_;           // why GPU memory was wanted and not used
+  RdmaVisibility visibility_ = RdmaVisibility::kOrdered;
   uint32_t id_;  // comm_id & kIdMask, reserved on this GPU's engine while this fabric lives
   std::string EngineKey() const { return "cuda:" + std::to_string(ordinal_); }  // proxy/engine_pool.h
   proxy::NoPeersHere here_;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "fabric/imm.h"
+#include "fabric/memory.h"
 
 namespace jax_moe::fabric {
 
@@ -21,6 +22,7 @@ struct BackendRegion {
   virtual ~BackendRegion() = default;
   std::vector<uint64_t> keys;   // remote keys, one per NIC
   std::vector<void*> descs;     // local descriptors (fi_mr_desc / lkey), one per NIC
+  Registration how = Registration::kHost;
 };
 
 // A write ready to post. Built from a peer set's template and patched per call (see peer_set.h).
@@ -58,12 +60,15 @@ class Backend {
   // Whether remote addresses are virtual addresses (FI_MR_VIRT_ADDR / verbs) or offsets into the region.
   virtual bool remote_virt_addr() const = 0;
   virtual uint64_t max_write_bytes() const = 0;
+  // Whether the transport may take CUDA memory (FI_HMEM asked and granted / verbs). A registration can still be
+  // refused (a libfabric built without CUDA): Register then throws kUnavailable.
   virtual bool supports_device_memory() const = 0;
   // How the sender is identified (imm.h); decides the largest user immediate.
   virtual ImmMode imm_mode() const = 0;
   uint32_t max_imm() const { return imm_mode() == ImmMode::kPacked ? kMaxPackedImm : kMaxWideImm; }
 
-  virtual std::unique_ptr<BackendRegion> Register(void* ptr, uint64_t nbytes, int device) = 0;
+  // Throws kUnavailable when the transport cannot register this kind of memory, naming why.
+  virtual std::unique_ptr<BackendRegion> Register(void* ptr, uint64_t nbytes, const MemorySpec& mem) = 0;
   // Makes engine peer `peer`'s NIC address reachable from local NIC `nic`; returns the handle used in
   // WriteRequest::dest and PostSend.
   virtual uint64_t AddPeer(int nic, uint32_t peer, const std::string& raw_address) = 0;
@@ -82,7 +87,8 @@ class Backend {
 };
 
 // Opens the backend named by `provider` ("auto", "efa", "verbs", "tcp", "shm", "ibverbs") with `num_nics`
-// domains. Throws Error(kUnavailable) when it cannot.
-std::unique_ptr<Backend> OpenBackend(const std::string& provider, int num_nics);
+// domains. With `pci_bus_id` (the GPU the engine serves) the NICs nearest that GPU on the PCIe tree are opened first
+// (nic_topology.h); empty: enumeration order. Throws Error(kUnavailable) when it cannot.
+std::unique_ptr<Backend> OpenBackend(const std::string& provider, int num_nics, const std::string& pci_bus_id = "");
 
 }  // namespace jax_moe::fabric

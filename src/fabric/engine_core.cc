@@ -24,13 +24,13 @@ uint64_t MakeNonce() {
 
 EngineCore::EngineCore(const EngineOptions& options) : options_(options) {
   Require(options.num_nics >= 1 && options.num_nics <= 16, "num_nics must be in [1, 16]");
-  backend_ = OpenBackend(options.provider, options.num_nics);
+  backend_ = OpenBackend(options.provider, options.num_nics, options.pci_bus_id);
   num_nics_ = backend_->num_nics();
   caps_.provider = backend_->provider();
   caps_.max_imm = backend_->max_imm();
   caps_.max_write_bytes = backend_->max_write_bytes();
   caps_.remote_virt_addr = backend_->remote_virt_addr();
-  caps_.device_memory = backend_->supports_device_memory();
+  caps_.device_memory = options.fake_device_memory || backend_->supports_device_memory();
   nonce_ = MakeNonce();
   EngineAddress addr;
   addr.nonce = nonce_;

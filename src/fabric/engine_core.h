@@ -86,7 +86,8 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   Backend& backend() { return *backend_; }
   int num_nics() const { return num_nics_; }
 
-  std::shared_ptr<MemoryRegion> Register(void* ptr, uint64_t nbytes, int device);
+  std::shared_ptr<MemoryRegion> Register(void* ptr, uint64_t nbytes, const MemorySpec& mem);
+  bool supports_device_memory() const { return caps_.device_memory; }
   void Deregister(uint64_t id);
   uint32_t Connect(const std::string& address, double timeout_s);
   uint32_t CreatePeerSet(const std::vector<uint32_t>& peers, const std::vector<RegionDescriptor>& regions);

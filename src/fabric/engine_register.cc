@@ -5,22 +5,31 @@
 
 namespace jax_moe::fabric {
 
-std::shared_ptr<MemoryRegion> EngineCore::Register(void* ptr, uint64_t nbytes, int device) {
+std::shared_ptr<MemoryRegion> EngineCore::Register(void* ptr, uint64_t nbytes, const MemorySpec& mem) {
+  const int device = mem.device;
   CheckOpen();
   Require(ptr != nullptr, "register: null pointer");
   Require(nbytes > 0, "register: empty region");
   Require(reinterpret_cast<uint64_t>(ptr) + nbytes >= reinterpret_cast<uint64_t>(ptr), "register: region wraps");
   if (device >= 0 && !caps_.device_memory) {
-    Throw(ErrorCode::kUnavailable, "register: provider '" + caps_.provider +
-                                       "' cannot register CUDA device memory (no FI_HMEM support)");
+    Throw(ErrorCode::kUnavailable, "register: provider " + caps_.provider +
+                                       " did not grant FI_HMEM: it cannot register CUDA memory (libfabric needs CUDA: "
+                                       "configure --with-cuda; AWS's EFA libfabric has it)");
   }
   std::unique_ptr<BackendRegion> br;
-  RunOnProgress([&] { br = backend_->Register(ptr, nbytes, device); });
+  if (device >= 0 && options_.fake_device_memory) {
+    MemorySpec host;  // the bytes are host memory in such tests: registered as such, carried as device regions
+    RunOnProgress([&] { br = backend_->Register(ptr, nbytes, host); });
+    br->how = Registration::kFakeDevice;
+  } else {
+    RunOnProgress([&] { br = backend_->Register(ptr, nbytes, mem); });
+  }
   std::shared_ptr<MemoryRegion> mr(new MemoryRegion());
   mr->core_ = weak_from_this();
   mr->ptr_ = ptr;
   mr->size_ = nbytes;
   mr->device_ = device;
+  mr->how_ = br->how;
   mr->descriptor_.owner = nonce_;
   mr->descriptor_.base = reinterpret_cast<uint64_t>(ptr);
   mr->descriptor_.size = nbytes;

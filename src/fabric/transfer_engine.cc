@@ -35,7 +35,16 @@ uint32_t TransferEngine::max_imm() const {
 }
 
 std::shared_ptr<MemoryRegion> TransferEngine::Register(void* ptr, uint64_t nbytes, int device) {
-  return core_->Register(ptr, nbytes, device);
+  MemorySpec mem;
+  mem.device = device;
+  return core_->Register(ptr, nbytes, mem);
+}
+
+std::shared_ptr<MemoryRegion> TransferEngine::Register(void* ptr, uint64_t nbytes, const MemorySpec& mem) {
+  return core_->Register(ptr, nbytes, mem);
+}
+
+bool TransferEngine::supports_device_memory() const { return core_->supports_device_memory();
 }
 
 PeerId TransferEngine::Connect(const std::string& address, double timeout_s) {

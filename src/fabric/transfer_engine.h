@@ -39,6 +39,7 @@
 
 #include "fabric/descriptor.h"
 #include "fabric/imm.h"
+#include "fabric/memory.h"
 
 namespace jax_moe::fabric {
 
@@ -50,6 +51,12 @@ struct EngineOptions {
   int num_nics = 1;               // domains opened; a peer set's members are sharded over them
   int progress_cpu = -1;          // pin the progress thread to this core (-1: no pinning)
   bool busy_poll = false;         // never nap when idle (lowest latency, burns a core)
+  // Tests without a GPU: device-memory registrations are taken as host memory (Registration::kFakeDevice), so the
+  // paths that carry device regions run on CPU. Never set for real CUDA memory.
+  bool fake_device_memory = false;
+  // PCI bus id of the GPU this engine serves ("0000:18:00.0", cudaDeviceGetPCIBusId's form): the NICs nearest it on
+  // the PCIe tree are opened first, so each GPU of a node sends through its own NICs. Empty: enumeration order.
+  std::string pci_bus_id;
 };
 
 class EngineCore;
@@ -65,6 +72,7 @@ class MemoryRegion {
   void* data() const { return ptr_; }
   uint64_t size() const { return size_; }
   int device() const { return device_; }
+  Registration registration() const { return how_; }
   // What peers need to write into this region (send Serialize() to them).
   const RegionDescriptor& descriptor() const { return descriptor_; }
 
@@ -76,6 +84,7 @@ class MemoryRegion {
   void* ptr_ = nullptr;
   uint64_t size_ = 0;
   int device_ = -1;
+  Registration how_ = Registration::kHost;
   RegionDescriptor descriptor_;
 };
 
@@ -111,6 +120,11 @@ class TransferEngine {
   uint32_t max_imm() const;  // largest immediate value this provider carries
 
   std::shared_ptr<MemoryRegion> Register(void* ptr, uint64_t nbytes, int device = -1);
+  // Device memory, optionally with a dmabuf of it (see MemorySpec). Throws kUnavailable when this provider cannot
+  // register it (no FI_HMEM, or a libfabric built without CUDA); the message says which.
+  std::shared_ptr<MemoryRegion> Register(void* ptr, uint64_t nbytes, const MemorySpec& mem);
+  // Whether Register may be given device memory at all (it can still refuse a registration, see above).
+  bool supports_device_memory() const;
 
   // Handshake with the engine at `address` (idempotent; a peer that connected to us first is
   // returned without a round trip). Throws kTimeout / kPeerFailed / kInvalidArgument.

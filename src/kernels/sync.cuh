@@ -71,21 +71,27 @@ __device__ __forceinline__ bool WaitAtLeast(const KernelArgs& a, const unsigned 
   return true;
 }
 
+// Publishes v into a device word with release semantics (max, so a late publisher never lowers it).
+__device__ __forceinline__ void MaxReleaseSys(unsigned long long* p, unsigned long long v) {
+  asm volatile("red.release.sys.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 // WaitAtLeast on a pump's bell word (kSent or kArrived) in host-mapped memory: also gives up when the pump stopped
-// (kError). Only block 0 polls host memory, napping between polls; it copies what it saw into LocalSync::fab_seen,
-// which the other blocks poll in device memory. Every block polling over PCIe flooded the link that the receive
-// kernels read their rows through (70x below its bandwidth with two processes on one GPU). A block that sees the
-// copy re-reads the host word once with system-scope acquire, so the proxy's writes before it are visible to it.
+// (kError). Only block 0 touches host memory: it polls the word, napping between polls, and publishes what it saw
+// into LocalSync::fab_seen with release semantics; the other blocks acquire that device word and nothing else. Its
+// acquire of the host word and its release of the copy chain (causality is transitive), so every block sees what
+// the proxy made visible before it raised the word, without a read of its own over PCIe: every block polling host
+// memory flooded the link that the receive kernels read their rows through, when the rows are in host memory.
 // Part 0 polls: only a half's own kernel waits on the fabric (never the one-shot kernel), so part 0 is block 0.
 __device__ __forceinline__ bool WaitFabric(const KernelArgs& a, const FabricArgs& f, int word, unsigned long long want,
                                            int which, int stream, Part part) {
   unsigned long long* seen = &Local(a)->fab_seen[stream][word == proxy::kSent ? 0 : 1];
-  const unsigned long long* host = f.bell + word;
-  if (LoadAcquireSys(seen) >= want && LoadAcquireSys(host) >= want) return true;
+  if (LoadAcquireSys(seen) >= want) return true;
   volatile int* timed_out = &Local(a)->timed_out;
   if (*timed_out) return false;
   const unsigned long long start = GlobalTimer();
   if (part.id == 0) {
+    const unsigned long long* host = f.bell + word;
     unsigned long long v;
     while ((v = LoadAcquireSys(host)) < want) {
       if (LoadAcquireSys(f.bell + proxy::kError) != 0) {
@@ -100,7 +106,7 @@ __device__ __forceinline__ bool WaitFabric(const KernelArgs& a, const FabricArgs
       }
       __nanosleep(256);
     }
-    atomicMax(seen, v);
+    MaxReleaseSys(seen, v);
     return true;
   }
   while (LoadAcquireSys(seen) < want) {
@@ -111,13 +117,6 @@ __device__ __forceinline__ bool WaitFabric(const KernelArgs& a, const FabricArgs
       return false;
     }
     __nanosleep(64);
-  }
-  while (LoadAcquireSys(host) < want) {  // seen first through block 0's copy: normally true at the first read
-    if (static_cast<long long>(GlobalTimer() - start) > a.timeout_ns) {
-      RaiseError(a, kTimeout, which);
-      *timed_out = 1;
-      return false;
-    }
   }
   return true;
 }

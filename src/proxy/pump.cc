@@ -24,8 +24,9 @@ double Now() {
 
 }  // namespace
 
-Pump::Pump(std::vector<Link> links, double timeout_s, std::function<std::string(int64_t)> name, bool own_thread)
-    : links_(std::move(links)), timeout_s_(timeout_s), name_(std::move(name)) {
+Pump::Pump(std::vector<Link> links, double timeout_s, std::function<std::string(int64_t)> name, bool own_thread,
+           std::function<void()> before_arrival)
+    : links_(std::move(links)), timeout_s_(timeout_s), name_(std::move(name)), before_arrival_(std::move(before_arrival)) {
   Require(timeout_s > 0, "Pump: timeout must be positive");
   for (const Link& l : links_) Require(l.channel && l.area && l.bell && l.bytes, "Pump: incomplete link");
   states_.resize(links_.size());
@@ -117,7 +118,12 @@ bool Pump::Step(Link& link, State& st) {
     Store(link.bell + kSent, st.posted);
     moved = true;
   }
+  bool flushed = false;
   while (ch.Arrived(st.flagged + 1, nullptr)) {  // no list of who is missing on the data path: only for the error
+    if (before_arrival_ && !flushed) {  // once for every round flagged in this pass: it covers what completed before
+      before_arrival_();
+      flushed = true;
+    }
     Store(link.bell + kArrived, ++st.flagged);
     if (traced && st.flagged <= kTraceRounds) trace_[st.flagged - 1][2] = NowNs();
     st.waiting_since = -1;

@@ -49,7 +49,10 @@ class Pump {
   };
   // `name(rank)` says where a rank runs, for errors. Starts serving at once.
   // own_thread: serve from a thread of its own even when one engine could host it (for comparison).
-  Pump(std::vector<Link> links, double timeout_s, std::function<std::string(int64_t)> name, bool own_thread = false);
+  // before_arrival: run on the pump's thread before it raises an arrival flag (the device side's hook: a GPU whose
+  // NIC writes need a flush to be visible to its kernels); null: nothing.
+  Pump(std::vector<Link> links, double timeout_s, std::function<std::string(int64_t)> name, bool own_thread = false,
+       std::function<void()> before_arrival = nullptr);
   ~Pump();
   Pump(const Pump&) = delete;
   Pump& operator=(const Pump&) = delete;
@@ -81,6 +84,7 @@ class Pump {
   std::vector<Link> links_;
   const double timeout_s_;
   std::function<std::string(int64_t)> name_;
+  std::function<void()> before_arrival_;
   mutable std::mutex error_mu_;
   std::string error_;
   ErrorCode error_code_ = ErrorCode::kInternal;

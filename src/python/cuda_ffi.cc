@@ -10,12 +10,14 @@
 #include "cuda/device_error.h"
 #include "cuda/device_comm.h"
 #include "cuda/device_fabric.h"
+#include "cuda/device_memory.h"
 #include "ffi/cuda/handlers.h"
 #include "kernels/moe_kernels.h"
 #include "cuda/peer_bandwidth.h"
 #include "python/registry.h"
 
 namespace nb = nanobind;
+using namespace nb::literals;
 
 namespace {
 
@@ -43,6 +45,14 @@ MoeShape Shape(int n, int l, int r, int max_tokens, int hidden, int x_itemsize, 
 
 void RegisterCuda(nb::module_& m) {
   nb::module_ cuda = m.def_submodule("cuda", "CUDA dispatch/combine: FFI handlers and per-Communicator buffers");
+  // GPU memory for the fabric benchmark: the engine timed on the memory the areas use (TransferEngine.register_ptr
+  // with device= and dmabuf_fd=).
+  nb::class_<jax_moe::cuda::DeviceMemory>(cuda, "DeviceMemory")
+      .def(nb::init<size_t, int>(), "nbytes"_a, "ordinal"_a = 0)
+      .def_prop_ro("ptr", [](const jax_moe::cuda::DeviceMemory& m) { return reinterpret_cast<uintptr_t>(m.data()); })
+      .def_prop_ro("nbytes", &jax_moe::cuda::DeviceMemory::size)
+      .def_prop_ro("ordinal", &jax_moe::cuda::DeviceMemory::ordinal)
+      .def_prop_ro("dmabuf_fd", &jax_moe::cuda::DeviceMemory::dmabuf_fd);
   cuda.def("handlers", []() {
     nb::dict d;
     d["jax_moe_cuda_dispatch_send"] = Capsule(JaxMoeCudaDispatchSend);
@@ -99,17 +109,19 @@ void RegisterCuda(nb::module_& m) {
       "rank order.");
   cuda.def(
       "open_fabric",
-      [](int64_t id, int ordinal, const std::string& provider) {
+      [](int64_t id, int ordinal, const std::string& provider, const std::string& memory) {
         std::pair<std::string, std::vector<std::string>> opened;
         {
           nb::gil_scoped_release release;  // registers the areas, starts the engine
-          opened = jax_moe::cuda::OpenFabric(id, ordinal, provider);
+          opened = jax_moe::cuda::OpenFabric(id, ordinal, provider, jax_moe::cuda::ParseAreaMemory(memory));
         }
         std::vector<nb::bytes> areas;
         for (const std::string& d : opened.second) areas.emplace_back(d.data(), d.size());
         return std::make_tuple(nb::bytes(opened.first.data(), opened.first.size()), areas);
       },
-      "For a device with ranks on other nodes: its engine, areas and host proxy. Returns (engine address, [receive "
+      "id"_a, "ordinal"_a, "provider"_a, "memory"_a = "auto",
+      "For a device with ranks on other nodes: its engine, areas (memory: \"auto\", \"device\", \"host\") and host "
+      "proxy. Returns (engine address, [receive "
       "area descriptor per stream]).");
   cuda.def(
       "connect_fabric",
@@ -133,7 +145,10 @@ void RegisterCuda(nb::module_& m) {
         nb::dict d;
         if (!dev || !dev->fabric) return d;
         d["provider"] = dev->fabric->provider();
-        d["memory"] = "pinned host memory mapped into the GPU";
+        d["memory"] = dev->fabric->MemoryName();
+        d["on_gpu"] = dev->fabric->on_gpu();
+        d["fallback"] = dev->fabric->fallback_reason();
+        d["visibility"] = dev->fabric->VisibilityName();
         d["bytes"] = dev->fabric->BytesAllocated();
         d["remote_ranks"] = dev->args.num_remote;
         d["proxy_cpu"] = dev->fabric->proxy_cpu();

@@ -42,8 +42,9 @@ std::vector<uint64_t> Unsigned(const Offsets& a, const char* name) {
 
 class Engine {
  public:
-  Engine(const std::string& provider, int num_nics, int progress_cpu, bool busy_poll) {
+  Engine(const std::string& provider, int num_nics, int progress_cpu, bool busy_poll, bool fake_device_memory) {
     fabric::EngineOptions o;
+    o.fake_device_memory = fake_device_memory;
     o.provider = provider;
     o.num_nics = num_nics;
     o.progress_cpu = progress_cpu;
@@ -90,21 +91,28 @@ void RegisterFabric(nb::module_& m) {
       .def("descriptor", [](const Region& r) { return ToBytes(r.mr->descriptor().Serialize()); })
       .def_prop_ro("ptr", [](const Region& r) { return reinterpret_cast<uintptr_t>(r.mr->data()); })
       .def_prop_ro("nbytes", [](const Region& r) { return r.mr->size(); })
-      .def_prop_ro("device", [](const Region& r) { return r.mr->device(); });
+      .def_prop_ro("device", [](const Region& r) { return r.mr->device(); })
+      .def_prop_ro("registration", [](const Region& r) { return std::string(fabric::RegistrationName(r.mr->registration())); });
 
   nb::class_<Engine>(f, "Engine")
-      .def(nb::init<const std::string&, int, int, bool>(), "provider"_a = "auto", "num_nics"_a = 1,
-           "progress_cpu"_a = -1, "busy_poll"_a = false, nb::call_guard<nb::gil_scoped_release>())
+      .def(nb::init<const std::string&, int, int, bool, bool>(), "provider"_a = "auto", "num_nics"_a = 1,
+           "progress_cpu"_a = -1, "busy_poll"_a = false, "fake_device_memory"_a = false,
+           nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("supports_device_memory", [](Engine& s) { return s.e().supports_device_memory(); })
       .def("address", [](Engine& s) { return ToBytes(s.e().Address()); })
       .def_prop_ro("provider", [](Engine& s) { return s.e().provider(); })
       .def_prop_ro("num_nics", [](Engine& s) { return s.e().num_nics(); })
       .def_prop_ro("max_imm", [](Engine& s) { return s.e().max_imm(); })
       .def("register_ptr",
-           [](Engine& s, uintptr_t ptr, uint64_t nbytes, int device) {
+           [](Engine& s, uintptr_t ptr, uint64_t nbytes, int device, int dmabuf_fd, uint64_t dmabuf_offset) {
+             fabric::MemorySpec mem;
+             mem.device = device;
+             mem.dmabuf_fd = dmabuf_fd;
+             mem.dmabuf_offset = dmabuf_offset;
              nb::gil_scoped_release nogil;
-             return Region{s.e().Register(reinterpret_cast<void*>(ptr), nbytes, device)};
+             return Region{s.e().Register(reinterpret_cast<void*>(ptr), nbytes, mem)};
            },
-           "ptr"_a, "nbytes"_a, "device"_a = -1)
+           "ptr"_a, "nbytes"_a, "device"_a = -1, "dmabuf_fd"_a = -1, "dmabuf_offset"_a = 0)
       .def("connect",
            [](Engine& s, nb::bytes address, double timeout_s) {
              std::string a = FromBytes(address);

@@ -14,6 +14,7 @@
 #include "fabric/descriptor.h"
 #include "fabric/imm.h"
 #include "fabric/imm_counter.h"
+#include "fabric/nic_topology.h"
 #include "fabric/wire.h"
 #include "python/registry.h"
 #ifdef JAX_MOE_HAVE_IBVERBS
@@ -151,6 +152,14 @@ void RegisterFabricTesting(nb::module_& m) {
     out["nics"] = nics;
     return out;
   });
+
+  // NIC choice by PCIe topology (nic_topology.h), against fake sysfs trees.
+  t.def("normalize_pci_bus_id", &NormalizePciBusId, "bus_id"_a);
+  t.def("pci_sysfs_path", &PciSysfsPath, "bus_id"_a, "sysfs_root"_a = "/sys");
+  t.def("infiniband_sysfs_path", &InfinibandSysfsPath, "ibv_name"_a, "sysfs_root"_a = "/sys");
+  t.def("rank_nics", &RankNics, "gpu_path"_a, "nic_paths"_a);
+  t.def("nearest_nics_by_path", &NearestNics, "gpu_path"_a, "nic_paths"_a);
+  t.def("nearest_nics", &NicsForGpu, "gpu_bus_id"_a, "nic_bus_ids"_a, "sysfs_root"_a = "/sys");
 
   nb::class_<ImmCounter>(t, "ImmCounter")
       .def(nb::init<>())

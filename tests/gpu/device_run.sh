@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call verifies a commit on the lent GPU machine (docs/cuda.md, "Verification"):
 #   bash tests/gpu/device_run.sh [STAGES] [bench args...]
-# STAGES: comma-separated from build, cpu, gpu, demo, bench, ep1, proxy, overlap, nodes, ipc (default: build,cpu,gpu,demo). The full build uses the
+# STAGES: comma-separated from build, cpu, gpu, demo, bench, ep1, proxy, overlap, nodes, ipc, hmem (default:
+# build,cpu,gpu,demo). hmem comes last: it rebuilds against libfabric 2.6 with CUDA (see below). The full build uses the
 # libfabric headers carried in third_party_headers/libfabric (the image has the runtime only). Logs go to $OUT (or
 # ./gpu_out); the last lines printed are "SUMMARY ..." lines, one per stage. NVLink multicast stays off.
 set -o pipefail
@@ -91,14 +92,22 @@ mps_start() {  # two processes on one GPU run their kernels side by side only un
   nvidia-cuda-mps-control -d
 }
 mps_stop() { echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; }
-if has nodes; then  # ranks on other nodes (issue 13) on one GPU: two processes under MPS with half the SMs each
+nodes_bench() {  # TAG: the cross-node decode benchmark on one GPU, two processes under MPS with half the SMs each,
+  # for each provider and area memory ($NODES_MEMORY: "host", "device", "auto")
+  local tag=$1 provider memory
   mps_start
   for provider in ${NODES_PROVIDERS:-shm tcp}; do
-    stage "nodes_$provider" 200 env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_CUDA_TRACE=1 \
-      python3 -m jax_moe.bench moe --backend cuda --shape "${NODES_SHAPE:-decode}" --iters 200 --processes 2 \
-      --ranks-per-node 1 --provider "$provider" --out "$OUT/nodes_$provider"
+    for memory in ${NODES_MEMORY:-auto}; do
+      stage "${tag}_${provider}_${memory}" 300 env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_CUDA_TRACE=1 \
+        JAX_MOE_FABRIC_MEMORY=$memory python3 -m jax_moe.bench moe --backend cuda --shape "${NODES_SHAPE:-decode}" \
+        --iters "${NODES_ITERS:-200}" --processes 2 --ranks-per-node 1 --provider "$provider" \
+        --out "$OUT/${tag}_${provider}_${memory}"
+    done
   done
   mps_stop
+}
+if has nodes; then  # ranks on other nodes (issue 13) with the image's libfabric 1.17 (no CUDA: host memory)
+  nodes_bench nodes
 fi
 if has ipc; then  # EP2 through the NVLink kernels between two processes (CUDA IPC); with one GPU both share it under
   # MPS (half the SMs each, HBM instead of NVLink): the summed combine (cuda) against rows per (t, k) (cuda-entry),
@@ -111,5 +120,22 @@ if has ipc; then  # EP2 through the NVLink kernels between two processes (CUDA I
     JAX_MOE_CUDA_ONE_KERNEL=0 python3 -m jax_moe.bench moe --backend cuda --shape "${IPC_SHAPE:-decode,prefill}" \
     --iters "${IPC_ITERS:-200}" --processes 2 --ranks-per-node 2 --out "$OUT/ipc_two"
   [ -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || mps_stop
+fi
+if has hmem; then  # issue 25: libfabric 2.6 built with CUDA (carried in third_party_headers/vendor), the project
+  # rebuilt against it, then the cross-node GPU tests and benchmarks with the areas in GPU memory and in host memory
+  stage hmem_libfabric 300 bash -c 'rm -rf /tmp/lfb /tmp/lfi && mkdir -p /tmp/lfb && \
+    tar -xzf third_party_headers/vendor/libfabric-2.6.0-src.tgz -C /tmp/lfb && cd /tmp/lfb/lf && \
+    ./configure -q --prefix=/tmp/lfi --with-cuda=/usr/local/cuda --enable-cuda-dlopen --enable-shm --enable-tcp \
+      --enable-rxm --disable-efa --disable-verbs --disable-psm2 --disable-psm3 --disable-opx --disable-usnic \
+      --disable-ucx --disable-lpp --disable-sockets --disable-udp --disable-mrail --disable-hook_debug \
+      --disable-hook_hmem --disable-dmabuf_peer_mem > /tmp/lfb/configure.log && make -s -j16 install > /tmp/lfb/make.log 2>&1 && \
+    FI_LOG_LEVEL=info /tmp/lfi/bin/fi_info -p shm -c FI_HMEM 2>&1 | grep -i -m3 "hmem\|cuda"; echo built'
+  export LIBFABRIC_ROOT=/tmp/lfi LD_LIBRARY_PATH=/tmp/lfi/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  stage hmem_build 400 bash -c 'python3 -m pip install --no-build-isolation --no-deps -e . \
+    --config-settings=build-dir=build/lf26 && python3 -c "import jax_moe._core as c; print(\"jax_moe._core:\", c.build_info())"'
+  stage hmem_tests 600 env JAX_MOE_TEST_FABRIC_HMEM=1 python3 -m pytest -q -p no:cacheprovider --capture=sys \
+    --runslow -m gpu tests/gpu/test_cuda_nodes.py ${HMEM_TESTS:-}
+  stage hmem_fabric 300 env JAX_PLATFORMS=cpu python3 -m pytest -q -p no:cacheprovider -n 4 tests/fabric
+  NODES_MEMORY=${HMEM_MEMORY:-device host} nodes_bench hmem
 fi
 printf '%s\n' "${summary[@]}"

@@ -66,6 +66,19 @@ def check_transpose(comm, problem, n: int, t: int, e: int) -> None:
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2)
 
 
+def check_fabric_memory(comm) -> None:
+    """MP_EXPECT_FABRIC_ON_GPU=1/0: the cuda areas of remote ranks must be in GPU memory / host memory (unset: any);
+    prints where they are either way."""
+    info = getattr(comm.backend, "fabric_info", lambda: {})()
+    for ordinal, i in info.items():
+        print(f"FABRIC process {jax.process_index()} device {ordinal}: {i.get('provider')}, {i.get('memory')}, "
+              f"visibility: {i.get('visibility')}, fallback: {i.get('fallback') or '-'}", flush=True)
+    want = os.environ.get("MP_EXPECT_FABRIC_ON_GPU")
+    if want is not None and info:
+        got = {o: bool(i["on_gpu"]) for o, i in info.items()}
+        assert all(v == (want == "1") for v in got.values()), f"fabric areas on the GPU: {got}, wanted {want}: {info}"
+
+
 def main() -> None:
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("ep",))
@@ -76,6 +89,7 @@ def main() -> None:
         cfg = jax_moe.MoEConfig(e, r, hidden, t, dispatch_dtype=jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
         comm = jax_moe.Communicator(cfg, mesh, "ep", backend=backend)
         comms.append(comm)
+        check_fabric_memory(comm)
         for variant in ("random", "partial", "skewed"):  # successive rounds: epochs too
             tt = t - 2 if variant == "partial" else t  # fewer tokens than max_tokens
             x, scale = random_tokens(rng, n * tt, hidden, fp8)

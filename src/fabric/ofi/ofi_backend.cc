@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <map>
 #include <random>
 #include <set>
@@ -22,11 +23,20 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "fabric/backend.h"
+#include "fabric/nic_topology.h"
 #include "fabric/ofi/ofi_util.h"
 
 namespace jax_moe::fabric {
 namespace ofi {
 namespace {
+
+// The API version we ask for: 1.20 where the headers have it (FI_MR_DMABUF needs it), else 1.17, the oldest we build
+// against. Not 2.x: its semantics differ in ways this backend does not need.
+#if FI_VERSION_GE(FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION), FI_VERSION(1, 20))
+constexpr uint32_t kApiVersion = FI_VERSION(1, 20);
+#else
+constexpr uint32_t kApiVersion = FI_VERSION(1, 17);
+#endif
 
 constexpr uint64_t kMrModeWeHandle =
     FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT | FI_MR_HMEM;
@@ -53,7 +63,7 @@ InfoPtr GetInfo(const std::string& provider, bool want_hmem, bool want_source) {
   hints->fabric_attr->prov_name = strdup(LibfabricName(provider).c_str());
   if (provider == "tcp") hints->addr_format = FI_SOCKADDR_IN;
   fi_info* info = nullptr;
-  int rc = fi_getinfo(FI_VERSION(1, 17), nullptr, nullptr, 0, hints.get(), &info);
+  int rc = fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints.get(), &info);
   if (rc != 0 || info == nullptr) {
     Throw(ErrorCode::kUnavailable, "fi_getinfo(provider=" + LibfabricName(provider) + (want_hmem ? ", FI_HMEM" : "") +
                                        (want_source ? ", FI_SOURCE" : "") + "): " + fi_strerror(-rc));
@@ -67,19 +77,24 @@ struct OfiRegion : BackendRegion {
 
 class OfiBackend final : public Backend {
  public:
-  OfiBackend(const std::string& provider, int num_nics) : provider_(provider) {
-    // Most wanted first: CUDA memory (efa) and FI_SOURCE (names senders of 4-byte immediates).
+  OfiBackend(const std::string& provider, int num_nics, const std::string& pci_bus_id) : provider_(provider) {
+    // Most wanted first: CUDA memory (FI_HMEM, every provider: efa, and shm and tcp where libfabric was built with
+    // CUDA) and, on efa, FI_SOURCE (names senders of 4-byte immediates). Without FI_HMEM only host memory registers.
     InfoPtr list;
     const bool efa = provider == "efa";
+    const char* want = std::getenv("JAX_MOE_FABRIC_HMEM");  // "0": never ask (host memory only)
+    const bool ask_hmem = want == nullptr || std::string(want) != "0";
     for (int attempt = 0; attempt < 4 && !list; ++attempt) {
-      const bool hmem = efa && attempt < 2, source = efa && attempt % 2 == 0;
+      const bool hmem = ask_hmem && attempt < 2, source = efa && attempt % 2 == 0;
+      if ((!efa && source) || (!ask_hmem && attempt < 2)) continue;
       try {
         list = GetInfo(provider, hmem, source);
       } catch (const Error&) {
-        if (attempt == 3 || !efa) throw;
+        if (attempt == 3) throw;
       }
     }
-    // efa: one NIC per distinct device. tcp/shm: several endpoints on the same device.
+    // efa: one NIC per distinct device, those nearest the engine's GPU first (nic_topology.h). tcp/shm: several
+    // endpoints on the same device.
     std::vector<fi_info*> devices;
     std::set<std::string> seen;
     for (fi_info* i = list.get(); i != nullptr; i = i->next) {
@@ -93,6 +108,34 @@ class OfiBackend final : public Backend {
       Throw(ErrorCode::kUnavailable, "provider " + provider + ": no domain with 4-byte CQ data and usable mr_mode");
     }
     if (provider != "efa") devices.resize(1);
+    if (efa && !pci_bus_id.empty()) {
+      std::vector<std::string> paths;  // empty where the provider gives no PCI address: ranked last
+      for (const fi_info* d : devices) {
+        const fi_bus_attr* bus = d->nic != nullptr ? d->nic->bus_attr : nullptr;
+        if (bus == nullptr || bus->bus_type != FI_BUS_PCI) {
+          paths.emplace_back();
+          continue;
+        }
+        const fi_pci_attr& pci = bus->attr.pci;
+        paths.push_back(PciSysfsPath(Format("%04x:%02x:%02x.%x", unsigned(pci.domain_id), unsigned(pci.bus_id),
+                                            unsigned(pci.device_id), unsigned(pci.function_id))));
+      }
+      const std::string gpu = PciSysfsPath(pci_bus_id);
+      if (gpu.empty()) JAX_MOE_LOG(kWarn, "ofi efa: GPU %s not found in sysfs: NICs in enumeration order", pci_bus_id.c_str());
+      const size_t nearest = NearestNics(gpu, paths).size();
+      std::vector<fi_info*> ranked;
+      std::string chosen;
+      for (int i : RankNics(gpu, paths)) {
+        if (static_cast<int>(ranked.size()) < num_nics) {
+          chosen += Format("%s%s (%s)", chosen.empty() ? "" : ", ", devices[i]->domain_attr->name,
+                           paths[i].empty() ? "no PCI path" : paths[i].c_str());
+        }
+        ranked.push_back(devices[i]);
+      }
+      devices.swap(ranked);
+      JAX_MOE_LOG(kInfo, "ofi efa: GPU %s: %zu of %zu NICs nearest; opening %s", pci_bus_id.c_str(), nearest,
+                  devices.size(), chosen.c_str());
+    }
     for (int n = 0; n < num_nics; ++n) Open(devices[n % devices.size()]);
     const fi_info* info = nics_[0]->info.get();
     mr_mode_ = info->domain_attr->mr_mode == FI_MR_BASIC ? (FI_MR_VIRT_ADDR | FI_MR_PROV_KEY | FI_MR_ALLOCATED)
@@ -129,32 +172,28 @@ class OfiBackend final : public Backend {
     return provider_ + " " + std::string(buf, strnlen(buf, sizeof(buf)));
   }
 
-  std::unique_ptr<BackendRegion> Register(void* ptr, uint64_t nbytes, int device) override {
-    auto region = std::make_unique<OfiRegion>();
-    for (auto& nic : nics_) {
-      iovec iov{ptr, nbytes};
-      fi_mr_attr attr{};
-      attr.mr_iov = &iov;
-      attr.iov_count = 1;
-      attr.access = FI_WRITE | FI_REMOTE_WRITE | FI_READ | FI_REMOTE_READ | FI_SEND | FI_RECV;
-      attr.requested_key = next_key_++;  // unique per domain when the provider does not pick keys
-      if (device >= 0) {
-        attr.iface = FI_HMEM_CUDA;
-        attr.device.cuda = device;
-      } else {
-        attr.iface = FI_HMEM_SYSTEM;
-      }
-      Fid<fid_mr> mr;
-      Check(fi_mr_regattr(nic->domain.get(), &attr, 0, mr.out()), "fi_mr_regattr");
-      if (mr_mode_ & FI_MR_ENDPOINT) {
-        Check(fi_mr_bind(mr.get(), &nic->ep->fid, 0), "fi_mr_bind");
-        Check(fi_mr_enable(mr.get()), "fi_mr_enable");
-      }
-      region->keys.push_back(fi_mr_key(mr.get()));
-      region->descs.push_back(fi_mr_desc(mr.get()));
-      region->mrs.push_back(std::move(mr));
+  std::unique_ptr<BackendRegion> Register(void* ptr, uint64_t nbytes, const MemorySpec& mem) override {
+    if (mem.device < 0) return RegisterAs(ptr, nbytes, mem, Registration::kHost);
+    if (!hmem_) {
+      Throw(ErrorCode::kUnavailable, "provider " + provider_ + " did not grant FI_HMEM: it cannot register CUDA memory");
     }
-    return region;
+#ifdef FI_MR_DMABUF
+    const char* dmabuf = std::getenv("JAX_MOE_FABRIC_DMABUF");  // "0": the CUDA pointer only
+    if (mem.dmabuf_fd >= 0 && (dmabuf == nullptr || std::string(dmabuf) != "0")) {
+      try {
+        return RegisterAs(ptr, nbytes, mem, Registration::kDmabuf);
+      } catch (const Error& e) {
+        JAX_MOE_LOG(kInfo, "ofi %s: dmabuf registration refused (%s); registering the CUDA pointer", provider_.c_str(),
+                    e.what());
+      }
+    }
+#endif
+    try {
+      return RegisterAs(ptr, nbytes, mem, Registration::kCudaPointer);
+    } catch (const Error& e) {
+      Throw(ErrorCode::kUnavailable, "provider " + provider_ + " cannot register CUDA memory (" + e.what() +
+                                         "): is this libfabric built with CUDA (configure --with-cuda)?");
+    }
   }
 
   uint64_t AddPeer(int nic, uint32_t peer, const std::string& raw) override {
@@ -310,12 +349,64 @@ class OfiBackend final : public Backend {
     Check(fi_ep_bind(nic->ep.get(), &nic->av->fid, 0), "fi_ep_bind(av)");
     Check(fi_ep_bind(nic->ep.get(), &nic->cq->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
     if (provider_ == "shm") NameShmEndpoint(nic->ep.get());
+#if FI_VERSION_GE(FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION), FI_VERSION(1, 18))  // an enum value, not a macro
+    // A NIC that reads and writes GPU memory itself (efa) must make no CUDA call on the proxy thread while kernels
+    // spin waiting for it (a call that waits for the device would wait for them). shm and tcp copy GPU memory with
+    // CUDA calls (there is no GDRCopy here): they keep them, and copy on the progress thread: their copies use the legacy
+    // stream, which waits for no kernel of XLA's (its streams are non-blocking).
+    if (provider_ == "efa" && (info->caps & FI_HMEM)) {
+      bool permitted = false;
+      const int rc = fi_setopt(&nic->ep->fid, FI_OPT_ENDPOINT, FI_OPT_CUDA_API_PERMITTED, &permitted, sizeof(permitted));
+      if (rc != 0) JAX_MOE_LOG(kWarn, "ofi efa: FI_OPT_CUDA_API_PERMITTED=false refused (%s)", fi_strerror(-rc));
+    }
+#endif
     Check(fi_enable(nic->ep.get()), "fi_enable");
     char name[256];
     size_t len = sizeof(name);
     Check(fi_getname(&nic->ep->fid, name, &len), "fi_getname");
     nic->address.assign(name, len);
     nics_.push_back(std::move(nic));
+  }
+
+  // One fi_mr_regattr per NIC, as `how` says (host memory, a dmabuf, or a CUDA pointer).
+  std::unique_ptr<BackendRegion> RegisterAs(void* ptr, uint64_t nbytes, const MemorySpec& mem, Registration how) {
+    auto region = std::make_unique<OfiRegion>();
+    region->how = how;
+    for (auto& nic : nics_) {
+      iovec iov{ptr, nbytes};
+      fi_mr_attr attr{};
+      uint64_t flags = 0;
+      attr.access = FI_WRITE | FI_REMOTE_WRITE | FI_READ | FI_REMOTE_READ | FI_SEND | FI_RECV;
+      attr.requested_key = next_key_++;  // unique per domain when the provider does not pick keys
+      attr.iface = how == Registration::kHost ? FI_HMEM_SYSTEM : FI_HMEM_CUDA;
+      if (how != Registration::kHost) attr.device.cuda = mem.device;
+#ifdef FI_MR_DMABUF
+      fi_mr_dmabuf dmabuf{};
+      if (how == Registration::kDmabuf) {
+        dmabuf.fd = mem.dmabuf_fd;
+        dmabuf.offset = mem.dmabuf_offset;
+        dmabuf.len = nbytes;
+        dmabuf.base_addr = ptr;  // with FI_MR_VIRT_ADDR peers address the region by its virtual address
+        attr.dmabuf = &dmabuf;
+        attr.iov_count = 1;
+        flags = FI_MR_DMABUF;
+      } else
+#endif
+      {
+        attr.mr_iov = &iov;
+        attr.iov_count = 1;
+      }
+      Fid<fid_mr> mr;
+      Check(fi_mr_regattr(nic->domain.get(), &attr, flags, mr.out()), "fi_mr_regattr");
+      if (mr_mode_ & FI_MR_ENDPOINT) {
+        Check(fi_mr_bind(mr.get(), &nic->ep->fid, 0), "fi_mr_bind");
+        Check(fi_mr_enable(mr.get()), "fi_mr_enable");
+      }
+      region->keys.push_back(fi_mr_key(mr.get()));
+      region->descs.push_back(fi_mr_desc(mr.get()));
+      region->mrs.push_back(std::move(mr));
+    }
+    return region;
   }
 
   // shm's default endpoint name is "<pid>:<n>:<m>", and its region /dev/shm/<that name>. A process that ended
@@ -386,8 +477,8 @@ class OfiBackend final : public Backend {
 }  // namespace
 }  // namespace ofi
 
-std::unique_ptr<Backend> OpenOfiBackend(const std::string& provider, int num_nics) {
-  return std::make_unique<ofi::OfiBackend>(provider, num_nics);
+std::unique_ptr<Backend> OpenOfiBackend(const std::string& provider, int num_nics, const std::string& pci_bus_id) {
+  return std::make_unique<ofi::OfiBackend>(provider, num_nics, pci_bus_id);
 }
 
 }  // namespace jax_moe::fabric

@@ -8,6 +8,8 @@
 #include <arpa/inet.h>
 #include <infiniband/verbs.h>
 
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <random>
@@ -16,10 +18,17 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "fabric/backend.h"
+#include "fabric/nic_topology.h"
 #include "fabric/verbs/handshake.h"
 #include "fabric/verbs/rc_state.h"
 #include "fabric/verbs/verbs_util.h"
 #include "fabric/verbs/wr_template.h"
+
+// ibv_reg_dmabuf_mr (rdma-core >= 34) is a function, so no header macro tells whether it exists, and the headers we
+// compile against need not match the libibverbs loaded at run time. A weak declaration settles both: it compiles
+// against any rdma-core and the pointer is null when the loaded library lacks the symbol.
+extern "C" ibv_mr* ibv_reg_dmabuf_mr(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova, int fd, int access)
+    __attribute__((weak));
 
 namespace jax_moe::fabric {
 namespace verbs {
@@ -43,6 +52,20 @@ struct Region : BackendRegion {
   }
 };
 
+// An integer setting from the environment, `fallback` when unset or empty. A bad value is the user's to fix: it
+// throws kInvalidArgument naming the variable and the value (provider auto reports it instead of moving on).
+int EnvSetting(const char* name, int fallback, int lo, int hi) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  errno = 0;
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  if (errno != 0 || end == v || *end != '\0' || x < lo || x > hi) {
+    Throw(ErrorCode::kInvalidArgument, Format("%s='%s': expected an integer from %d to %d", name, v, lo, hi));
+  }
+  return static_cast<int>(x);
+}
+
 struct PeerNic {
   ibv_ah* ah = nullptr;
   UdAddress ud;
@@ -58,28 +81,20 @@ struct Peer {
 
 class VerbsBackend final : public Backend {
  public:
-  VerbsBackend(ibv_device** list, int n_devices, int num_nics) {
+  // `devices` in the order to use them (nearest the GPU first); NIC i opens devices[i % size].
+  VerbsBackend(const std::vector<ibv_device*>& devices, int num_nics) {
+    // RoCE v2 lives at a GID index other than 0 (show_gids lists them), and some hosts cable port 2.
+    port_ = static_cast<uint8_t>(EnvSetting("JAX_MOE_IB_PORT", 1, 1, 255));
+    gid_index_ = static_cast<uint8_t>(EnvSetting("JAX_MOE_IB_GID_INDEX", 0, 0, 255));
     nics_.reserve(num_nics);
-    for (int i = 0; i < num_nics; ++i) OpenNic(list[i % n_devices]);
-  }
-  ~VerbsBackend() override {
-    for (auto& kv : peers_) {
-      for (PeerNic& pn : kv.second.nics) {
-        if (pn.msg) ibv_destroy_qp(pn.msg);
-        if (pn.rma) ibv_destroy_qp(pn.rma);
-        if (pn.ah) ibv_destroy_ah(pn.ah);
-      }
-    }
-    for (auto& n : nics_) {
-      if (n.ud) ibv_destroy_qp(n.ud);
-      if (n.imm_srq) ibv_destroy_srq(n.imm_srq);
-      if (n.msg_srq) ibv_destroy_srq(n.msg_srq);
-      if (n.bounce_mr) ibv_dereg_mr(n.bounce_mr);
-      if (n.cq) ibv_destroy_cq(n.cq);
-      if (n.pd) ibv_dealloc_pd(n.pd);
-      if (n.ctx) ibv_close_device(n.ctx);
+    try {
+      for (int i = 0; i < num_nics; ++i) OpenNic(devices[i % devices.size()]);
+    } catch (...) {
+      Release();  // the destructor does not run for a constructor that threw
+      throw;
     }
   }
+  ~VerbsBackend() override { Release(); }
 
   std::string provider() const override { return "verbs"; }
   int num_nics() const override { return static_cast<int>(nics_.size()); }
@@ -94,20 +109,35 @@ class VerbsBackend final : public Backend {
   }
   bool remote_virt_addr() const override { return true; }
   uint64_t max_write_bytes() const override { return kMaxChunk * WriteChain::kMaxChain; }
-  bool supports_device_memory() const override { return true; }  // via nvidia-peermem
+  // A dmabuf or nvidia-peermem may take CUDA memory; which (if either) is only known when registering: Register then
+  // throws kUnavailable when neither does.
+  bool supports_device_memory() const override { return true; }
   ImmMode imm_mode() const override { return ImmMode::kSource; }  // the RC QP names the sender
 
-  std::unique_ptr<BackendRegion> Register(void* ptr, uint64_t nbytes, int device) override {
-    auto r = std::make_unique<Region>();
-    const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
-                       IBV_ACCESS_RELAXED_ORDERING;  // optional flag: ignored where unsupported
-    for (auto& n : nics_) {
-      ibv_mr* mr = CheckPtr(ibv_reg_mr(n.pd, ptr, nbytes, access), "ibv_reg_mr");
-      r->mrs.push_back(mr);
-      r->keys.push_back(mr->rkey);
-      r->descs.push_back(reinterpret_cast<void*>(static_cast<uintptr_t>(mr->lkey)));
+  std::unique_ptr<BackendRegion> Register(void* ptr, uint64_t nbytes, const MemorySpec& mem) override {
+    if (mem.device < 0) return RegisterAs(ptr, nbytes, mem, Registration::kHost);
+    // CUDA memory: through its dmabuf where the kernel and GPU driver support it (no extra module), else the pointer
+    // itself, which only nvidia-peermem lets the HCA pin.
+    std::string dmabuf_error;
+    if (mem.dmabuf_fd < 0) {
+      dmabuf_error = "no dmabuf given for the region";
+    } else if (ibv_reg_dmabuf_mr == nullptr) {
+      dmabuf_error = "this libibverbs has no ibv_reg_dmabuf_mr (rdma-core < 34)";
+    } else {
+      try {
+        return RegisterAs(ptr, nbytes, mem, Registration::kDmabuf);
+      } catch (const Error& e) {
+        dmabuf_error = e.what();
+        JAX_MOE_LOG(kInfo, "verbs: dmabuf registration refused (%s); registering the CUDA pointer", e.what());
+      }
     }
-    return r;
+    try {
+      return RegisterAs(ptr, nbytes, mem, Registration::kCudaPointer);
+    } catch (const Error& e) {
+      Throw(ErrorCode::kUnavailable, "verbs cannot register memory of CUDA device " + std::to_string(mem.device) +
+                                         " (" + dmabuf_error + "; " + e.what() +
+                                         "): load nvidia-peermem or use a kernel/driver with dmabuf support");
+    }
   }
 
   uint64_t AddPeer(int nic, uint32_t peer, const std::string& raw) override {
@@ -253,6 +283,28 @@ class VerbsBackend final : public Backend {
   }
 
  private:
+  // Destroys everything opened so far, peers' QPs first (idempotent: the vectors are left empty).
+  void Release() {
+    for (auto& kv : peers_) {
+      for (PeerNic& pn : kv.second.nics) {
+        if (pn.msg) ibv_destroy_qp(pn.msg);
+        if (pn.rma) ibv_destroy_qp(pn.rma);
+        if (pn.ah) ibv_destroy_ah(pn.ah);
+      }
+    }
+    for (auto& n : nics_) {
+      if (n.ud) ibv_destroy_qp(n.ud);
+      if (n.imm_srq) ibv_destroy_srq(n.imm_srq);
+      if (n.msg_srq) ibv_destroy_srq(n.msg_srq);
+      if (n.bounce_mr) ibv_dereg_mr(n.bounce_mr);
+      if (n.cq) ibv_destroy_cq(n.cq);
+      if (n.pd) ibv_dealloc_pd(n.pd);
+      if (n.ctx) ibv_close_device(n.ctx);
+    }
+    peers_.clear();
+    nics_.clear();
+  }
+
   struct EngineRecv {
     void* buf;
     size_t len;
@@ -277,17 +329,66 @@ class VerbsBackend final : public Backend {
     std::deque<EngineRecv> engine_recvs;
   };
 
+  // One registration per NIC, as `how` says; a failure releases the NICs already done (Region's destructor).
+  std::unique_ptr<BackendRegion> RegisterAs(void* ptr, uint64_t nbytes, const MemorySpec& mem, Registration how) {
+    auto r = std::make_unique<Region>();
+    r->how = how;
+    const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
+                       IBV_ACCESS_RELAXED_ORDERING;  // optional flag: ignored where unsupported
+    for (auto& n : nics_) {
+      ibv_mr* mr;
+      const char* call;
+      if (how == Registration::kDmabuf) {
+        // iova = the virtual address: peers and our SGEs address the region by it, as with ibv_reg_mr.
+        mr = ibv_reg_dmabuf_mr(n.pd, mem.dmabuf_offset, nbytes, reinterpret_cast<uint64_t>(ptr), mem.dmabuf_fd, access);
+        call = "ibv_reg_dmabuf_mr";
+      } else {
+        mr = ibv_reg_mr(n.pd, ptr, nbytes, access);
+        call = "ibv_reg_mr";
+      }
+      const int err = errno;
+      if (mr == nullptr) {
+        Throw(ErrorCode::kInternal, Format("%s on %s: %s", call, ibv_get_device_name(n.ctx->device),
+                                           std::strerror(err ? err : EINVAL)));
+      }
+      r->mrs.push_back(mr);
+      r->keys.push_back(mr->rkey);
+      r->descs.push_back(reinterpret_cast<void*>(static_cast<uintptr_t>(mr->lkey)));
+    }
+    return r;
+  }
+
   void OpenNic(ibv_device* dev) {
     nics_.emplace_back();
     Nic& n = nics_.back();
+    n.port = port_;
+    n.gid_index = gid_index_;
+    const char* name = ibv_get_device_name(dev);
     n.ctx = CheckPtr(ibv_open_device(dev), "ibv_open_device");
+    ibv_device_attr dev_attr{};
+    CheckRc(ibv_query_device(n.ctx, &dev_attr), "ibv_query_device");
+    if (n.port > dev_attr.phys_port_cnt) {
+      Throw(ErrorCode::kInvalidArgument, Format("JAX_MOE_IB_PORT=%d: %s has %d port(s)", int(n.port), name,
+                                                int(dev_attr.phys_port_cnt)));
+    }
     n.pd = CheckPtr(ibv_alloc_pd(n.ctx), "ibv_alloc_pd");
     n.cq = CheckPtr(ibv_create_cq(n.ctx, kCqDepth, nullptr, nullptr, 0), "ibv_create_cq");
     ibv_port_attr port{};
     CheckRc(ibv_query_port(n.ctx, n.port, &port), "ibv_query_port");
     n.mtu = port.active_mtu;
+    if (n.gid_index >= port.gid_tbl_len) {
+      Throw(ErrorCode::kInvalidArgument, Format("JAX_MOE_IB_GID_INDEX=%d: %s port %d has %d GIDs", int(n.gid_index),
+                                                name, int(n.port), port.gid_tbl_len));
+    }
     ibv_gid gid{};
     CheckRc(ibv_query_gid(n.ctx, n.port, n.gid_index, &gid), "ibv_query_gid");
+    static const ibv_gid kNoGid{};
+    if (std::memcmp(gid.raw, kNoGid.raw, sizeof(gid.raw)) == 0) {
+      Throw(ErrorCode::kInvalidArgument, Format("JAX_MOE_IB_GID_INDEX=%d: GID %d of %s port %d is unset (show_gids "
+                                                "lists the valid ones)", int(n.gid_index), int(n.gid_index), name,
+                                                int(n.port)));
+    }
+    JAX_MOE_LOG(kInfo, "verbs: NIC %s port %d GID index %d", name, int(n.port), int(n.gid_index));
 
     ibv_srq_init_attr srq{};
     srq.attr.max_wr = kImmRecvs;
@@ -444,6 +545,8 @@ class VerbsBackend final : public Backend {
     } while (done < w.length);
   }
 
+  uint8_t port_ = 1;       // JAX_MOE_IB_PORT
+  uint8_t gid_index_ = 0;  // JAX_MOE_IB_GID_INDEX
   std::vector<Nic> nics_;  // reserved up front: Nic addresses must not move after registration
   std::unordered_map<uint32_t, Peer> peers_;
   std::unordered_map<uint32_t, uint32_t> peer_of_qp_;  // rma QP number -> engine peer (names imm senders)
@@ -452,22 +555,37 @@ class VerbsBackend final : public Backend {
 }  // namespace
 }  // namespace verbs
 
-std::unique_ptr<Backend> OpenVerbsBackend(int num_nics) {
+std::unique_ptr<Backend> OpenVerbsBackend(int num_nics, const std::string& pci_bus_id) {
   int n = 0;
-  ibv_device** list = ibv_get_device_list(&n);
+  struct ListDeleter {
+    void operator()(ibv_device** l) const { ibv_free_device_list(l); }
+  };
+  std::unique_ptr<ibv_device*, ListDeleter> list(ibv_get_device_list(&n));  // open devices outlive the list
   if (list == nullptr || n <= 0) {
-    if (list != nullptr) ibv_free_device_list(list);
     Throw(ErrorCode::kUnavailable, "provider verbs: no RDMA device (ibv_get_device_list found none)");
   }
-  std::unique_ptr<Backend> b;
-  try {
-    b = std::make_unique<verbs::VerbsBackend>(list, n, num_nics);
-  } catch (...) {
-    ibv_free_device_list(list);
-    throw;
+  std::vector<ibv_device*> devices(list.get(), list.get() + n);
+  if (!pci_bus_id.empty()) {
+    // Nearest the GPU first: /sys/class/infiniband/<name>/device resolves to the HCA's place on the PCIe tree.
+    std::vector<std::string> paths;
+    for (ibv_device* d : devices) paths.push_back(InfinibandSysfsPath(ibv_get_device_name(d)));
+    const std::string gpu = PciSysfsPath(pci_bus_id);
+    if (gpu.empty()) JAX_MOE_LOG(kWarn, "verbs: GPU %s not found in sysfs: NICs in enumeration order", pci_bus_id.c_str());
+    const size_t nearest = NearestNics(gpu, paths).size();
+    std::vector<ibv_device*> ranked;
+    std::string chosen;
+    for (int i : RankNics(gpu, paths)) {
+      if (static_cast<int>(ranked.size()) < num_nics) {
+        chosen += Format("%s%s (%s)", chosen.empty() ? "" : ", ", ibv_get_device_name(devices[i]),
+                         paths[i].empty() ? "no sysfs path" : paths[i].c_str());
+      }
+      ranked.push_back(devices[i]);
+    }
+    devices.swap(ranked);
+    JAX_MOE_LOG(kInfo, "verbs: GPU %s: %zu of %zu NICs nearest; opening %s", pci_bus_id.c_str(), nearest,
+                devices.size(), chosen.c_str());
   }
-  ibv_free_device_list(list);
-  return b;
+  return std::make_unique<verbs::VerbsBackend>(devices, num_nics);
 }
 
 }  // namespace jax_moe::fabric
