@@ -4,6 +4,8 @@ One sender scatters `size` bytes to each of N peers (one write per peer, imm 1);
 its immediate and answers with a zero-byte write (imm 2); the sender's clock stops when all N answers
 are in. Latency is that round (p50/p99 over the timed rounds, after warm-up); bandwidth is N * size /
 p50. Peers are separate processes that exchange addresses through files in a temporary directory.
+--memory cuda puts every buffer in GPU memory (rank r on GPU r % --gpus, registered with its dmabuf where the driver
+exports one); the JSON says how the engine registered it ("<provider>_registration").
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -65,16 +67,45 @@ def _rounds_for(size: int, warmup: int, iters: int) -> tuple[int, int]:
     return warmup, iters
 
 
-def _worker(d: str, rank: int, peers: int, provider: str, sizes: list[int], warmup: int, iters: int) -> None:
+MEMORIES = ("host", "cuda")
+
+
+def cuda_module() -> Any:
+    """jax_moe._core.cuda (GPU memory for --memory cuda), or RuntimeError saying why there is none."""
+    from jax_moe import _core
+
+    mod = getattr(_core, "cuda", None)
+    if mod is None or not hasattr(mod, "DeviceMemory"):
+        raise RuntimeError("--memory cuda: this build of jax_moe._core has no cuda module (built without CUDA); "
+                           "use --memory host")
+    return mod
+
+
+def _buffer(eng: Any, nbytes: int, memory: str, ordinal: int, fill: bool) -> tuple[Any, Any]:
+    """A registered buffer of `nbytes`: (region, owner); the owner must outlive the region."""
+    if memory == "cuda":
+        mem = cuda_module().DeviceMemory(nbytes, ordinal)  # zeroed: the bytes' values do not matter on the wire
+        return eng.register_ptr(mem.ptr, mem.nbytes, device=ordinal, dmabuf_fd=mem.dmabuf_fd), mem
+    buf = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8) if fill else np.zeros(nbytes, np.uint8)
+    return eng.register(buf), buf
+
+
+def _worker(d: str, rank: int, peers: int, provider: str, sizes: list[int], warmup: int, iters: int,
+            memory: str = "host", gpus: int = 1) -> None:
+    try:
+        _serve(d, rank, peers, provider, sizes, warmup, iters, memory, gpus)
+    except Exception as e:  # the launcher reports it: a worker's traceback alone is easy to lose
+        _publish(d, f"error.{rank}", f"rank {rank}: {type(e).__name__}: {e}".encode())
+        raise
+
+
+def _serve(d: str, rank: int, peers: int, provider: str, sizes: list[int], warmup: int, iters: int, memory: str,
+           gpus: int) -> None:
     from jax_moe import fabric
 
     eng = fabric.TransferEngine(provider)
-    biggest = max(sizes)
-    if rank == 0:
-        buf = np.random.default_rng(0).integers(0, 256, peers * biggest, dtype=np.uint8)
-    else:
-        buf = np.zeros(biggest, np.uint8)
-    mr = eng.register(buf)
+    biggest = max(max(sizes), 1)
+    mr, owner = _buffer(eng, peers * biggest if rank == 0 else biggest, memory, rank % gpus, fill=rank == 0)
     _publish(d, f"addr.{rank}", eng.address())
     _publish(d, f"desc.{rank}", mr.descriptor())
     if rank == 0:
@@ -98,7 +129,7 @@ def _worker(d: str, rank: int, peers: int, provider: str, sizes: list[int], warm
             t = np.array(times)
             p50, p99 = float(np.percentile(t, 50)), float(np.percentile(t, 99))
             results.append({"size": size, "rounds": n, "p50_us": p50 * 1e6, "p99_us": p99 * 1e6,
-                            "gbps": peers * size / p50 / 1e9})
+                            "gbps": peers * size / p50 / 1e9, "memory": memory, "registration": mr.registration})
         _publish(d, "results", json.dumps(results).encode())
     else:
         sender = eng.connect(_fetch(d, "addr.0"), WAIT)
@@ -110,7 +141,9 @@ def _worker(d: str, rank: int, peers: int, provider: str, sizes: list[int], warm
                 eng.barrier(ps, 2)
         eng.wait_sends(WAIT)
         _fetch(d, "results", 120)  # keep the endpoint alive until the sender is done
+    del mr  # the registration goes before the engine, and both before the memory (a dmabuf's fd stays open till then)
     eng.close()
+    del owner
 
 
 def run_workers(module: str, rank_args: list[list[str]], what: str, timeout: float):
@@ -126,8 +159,12 @@ def run_workers(module: str, rank_args: list[list[str]], what: str, timeout: flo
             end = time.monotonic() + timeout
             while any(p.poll() is None for p in procs):
                 if time.monotonic() > end or any(p.poll() not in (None, 0) for p in procs):
-                    raise RuntimeError(f"{what}: workers failed or exceeded {timeout}s")
+                    break
                 time.sleep(0.05)
+            if any(p.poll() != 0 for p in procs):
+                errors = [_fetch(d, name, 0).decode() for name in sorted(os.listdir(d)) if name.startswith("error.")]
+                raise RuntimeError(f"{what}: workers failed or exceeded {timeout}s"
+                                   + "".join(f"; {e}" for e in errors))
             return json.loads(_fetch(d, "results", 1))
         finally:
             for p in procs:
@@ -136,8 +173,9 @@ def run_workers(module: str, rank_args: list[list[str]], what: str, timeout: flo
                     p.wait(10)
 
 
-def _run(provider: str, peers: int, sizes: list[int], warmup: int, iters: int, timeout: float) -> list[dict]:
-    args = [str(peers), provider, ",".join(map(str, sizes)), str(warmup), str(iters)]
+def _run(provider: str, peers: int, sizes: list[int], warmup: int, iters: int, timeout: float, memory: str = "host",
+         gpus: int = 1) -> list[dict]:
+    args = [str(peers), provider, ",".join(map(str, sizes)), str(warmup), str(iters), memory, str(gpus)]
     return run_workers("jax_moe.bench.fabric", [[str(rank)] + args for rank in range(peers + 1)],
                        f"bench fabric ({provider})", timeout)
 
@@ -178,8 +216,9 @@ def _free_port() -> int:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--worker"]:
-        d, rank, peers, provider, sizes, warmup, iters = argv[1:8]
-        _worker(d, int(rank), int(peers), provider, [int(s) for s in sizes.split(",")], int(warmup), int(iters))
+        d, rank, peers, provider, sizes, warmup, iters, memory, gpus = argv[1:10]
+        _worker(d, int(rank), int(peers), provider, [int(s) for s in sizes.split(",")], int(warmup), int(iters),
+                memory, int(gpus))
         return 0
     ap = argparse.ArgumentParser(prog="python -m jax_moe.bench fabric", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -189,23 +228,39 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--timeout", type=float, default=300.0, help="per provider, seconds")
+    ap.add_argument("--memory", choices=MEMORIES, default="host",
+                    help="where the buffers live: host memory (numpy), or GPU memory (jax_moe._core.cuda)")
+    ap.add_argument("--gpus", type=int, default=1, help="--memory cuda: rank r's buffer is on GPU r %% gpus")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
-    print(f"TransferEngine scatter round (1 -> {args.peers} peers, ack by zero-byte write), "
+    if args.memory == "cuda":
+        try:
+            cuda_module()
+        except RuntimeError as e:
+            print(f"bench fabric: {e}", file=sys.stderr)
+            return 2
+    print(f"TransferEngine scatter round (1 -> {args.peers} peers, ack by zero-byte write), {args.memory} memory, "
           f"{platform.node()} ({os.cpu_count()} CPUs)")
     print(f"{'provider':<9}{'per peer':>10}{'rounds':>8}{'p50 us':>11}{'p99 us':>11}{'GB/s':>8}")
     all_results = {}
     for provider in args.providers.split(","):
-        res = _run(provider, args.peers, sizes, args.warmup, args.iters, args.timeout)
+        try:
+            res = _run(provider, args.peers, sizes, args.warmup, args.iters, args.timeout, args.memory,
+                       max(1, args.gpus))
+        except RuntimeError as e:
+            print(f"bench fabric: {e}", file=sys.stderr)
+            return 1
         all_results[provider] = res
+        all_results[f"{provider}_registration"] = res[0]["registration"] if res else None
         for r in res:
             print(f"{provider:<9}{_fmt_size(r['size']):>10}{r['rounds']:>8}{r['p50_us']:>11.1f}{r['p99_us']:>11.1f}"
-                  f"{r['gbps']:>8.2f}")
-        ref = fi_pingpong_us(provider, min(sizes))
+                  f"{r['gbps']:>8.2f}  ({r['registration']})")
+        ref_size = min((s for s in sizes if s), default=64)  # fi_pingpong has no empty message
+        ref = fi_pingpong_us(provider, ref_size)
         all_results[f"{provider}_fi_pingpong_us"] = ref
         all_results[f"{provider}_fi_pingpong_round_trip_us"] = None if ref is None else 2 * ref
-        print(f"{provider:<9}{_fmt_size(min(sizes)):>10}  fi_pingpong -e rdm (libfabric's own, same run): "
+        print(f"{provider:<9}{_fmt_size(ref_size):>10}  fi_pingpong -e rdm (libfabric's own, same run): "
               + (f"{ref:.1f} us/xfer one way, {2 * ref:.1f} us round trip" if ref is not None else "unavailable"))
     if args.json:
         with open(args.json, "w") as f:

@@ -8,6 +8,8 @@ them (a stamp is one more custom call). With JAX_MOE_CUDA_TRACE=1 the cuda backe
 start, waits, work and end) is summarised too. On CPUs (backends "cpu" and "xla") the halves are
 timed by the host clock with the same stamps (a CPU FFI op), one iteration per program. Besides the jax_moe backends, "xla-ragged" is MaxText's way on GPU:
 sort by expert, `ragged_all_to_all`, local permute, and back. Prints a table; writes results.json and moe.png to --out.
+Run in several processes with ranks on other nodes (--processes, --ranks-per-node), the launcher then prints each
+operation of those ranks beside its floor (EP1 kernel + TransferEngine one-way time, bench/floor.py).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from jax_moe import multihost, payload
 from jax_moe.backends import cpu as cpu_backend
 from jax_moe.backends import cuda as cuda_backend
 from jax_moe.backends.native import native_module
+from jax_moe.bench import floor, processes
 from jax_moe.types import CombineHandle, DispatchHandle
 
 SHAPES = {  # name: (tokens per rank, hidden, experts, top-k, fp8 dispatch)
@@ -66,51 +69,8 @@ def _parse(argv):
     p.add_argument("--processes", type=int, default=1,
                    help="GPU: run the ranks in this many processes on this host (GPUs shared round-robin; XLA's "
                         "collectives are skipped where two processes share a GPU, NCCL refuses that)")
+    floor.add_args(p)
     return p.parse_args(argv)
-
-
-# --- several processes -------------------------------------------------------------------------------------------
-_PROC_ENV = "JAX_MOE_BENCH_PROC"
-
-
-def _launch(argv, processes: int) -> int:
-    """Runs this benchmark in `processes` processes of this host (jax.distributed on a local port); process 0 prints
-    and writes the results. Returns process 0's exit status (the others' failures are printed)."""
-    import socket
-    import subprocess
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    try:
-        gpus = len(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout.split("\n")) - 1
-    except (OSError, subprocess.SubprocessError):
-        gpus = 1
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
-    procs = []
-    for i in range(processes):
-        env_i = dict(env, **{_PROC_ENV: f"{i},{processes},{port},{max(gpus, 1)}"})
-        procs.append(subprocess.Popen([sys.executable, "-m", "jax_moe.bench", "moe", *argv], env=env_i,
-                                      stdout=None if i == 0 else subprocess.PIPE,
-                                      stderr=None if i == 0 else subprocess.STDOUT, text=True))
-    rc = procs[0].wait()
-    for i, p in enumerate(procs[1:], 1):
-        out, _ = p.communicate()
-        if p.returncode:
-            print(f"[moe] process {i} exited with {p.returncode}:\n{out[-3000:]}", file=sys.stderr)
-            rc = rc or p.returncode
-    return rc
-
-
-def _join() -> Optional[tuple[int, int, int]]:
-    """In a process started by _launch: joins the others (one GPU each, round-robin). (process, count, gpus)."""
-    spec = os.environ.get(_PROC_ENV)
-    if not spec:
-        return None
-    proc, nproc, port, gpus = (int(v) for v in spec.split(","))
-    jax.distributed.initialize(f"127.0.0.1:{port}", nproc, proc, local_device_ids=[proc % gpus],
-                               initialization_timeout=120)
-    return proc, nproc, gpus
 
 
 def _fabric_breakdown(comm, rounds: int) -> Optional[dict]:
@@ -433,9 +393,12 @@ def _plot(results, path):
 
 def main(argv) -> int:
     args = _parse(list(argv))
-    if args.processes > 1 and not os.environ.get(_PROC_ENV):
-        return _launch(list(argv), args.processes)
-    joined = _join()
+    if args.processes > 1 and not os.environ.get(processes.PROC_ENV):
+        started = time.time()
+        rc = processes.launch(list(argv), args.processes)
+        floor.report(args, started)  # ranks on other nodes: each operation beside its floor
+        return rc
+    joined = processes.join()
     leader = joined is None or joined[0] == 0
     shared = joined is not None and joined[1] > joined[2]  # processes share a GPU: no NCCL
     try:  # only takes effect before JAX starts its backends; harmless on GPU machines

@@ -14,6 +14,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "cuda/cuda_scope.h"
+#include "fabric/nic_topology.h"
 #include "proxy/imm.h"
 
 namespace jax_moe::cuda {
@@ -110,6 +111,8 @@ DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, co
     char bus[32] = {};  // the GPU's PCI address: its engine opens the NICs nearest to it (fabric/nic_topology.h)
     if (cudaDeviceGetPCIBusId(bus, sizeof(bus), ordinal) == cudaSuccess) {
       options.pci_bus_id = bus;
+      // Not pinned to a core: kept on the GPU's NUMA node, where its polls and copies stay on the GPU's socket.
+      if (proxy_cpu_ < 0) options.progress_cpus = proxy_cpus_ = fabric::PciLocalCpus(bus);
     } else {
       cudaGetLastError();
     }

@@ -80,6 +80,8 @@ class DeviceFabric {
   std::string provider() const { return engine_->provider(); }
   // The core the GPU's proxy thread was asked to run on (-1: not pinned); the engine's first user chose it.
   int proxy_cpu() const { return proxy_cpu_; }
+  // Where the proxy thread may run when not pinned to one core: the GPU's NUMA node (empty: anywhere).
+  const std::vector<int>& proxy_cpus() const { return proxy_cpus_; }
   std::vector<std::string> Descriptors() const;  // [kFabricStreams] our receive areas
   // Connects to the remote ranks (every one of them, in any order) and starts the pump; `name(rank)` for errors.
   void Connect(const std::vector<RemoteEndpoint>& peers, std::function<std::string(int64_t)> name);
@@ -118,6 +120,7 @@ class DeviceFabric {
   int ordinal_;
   std::string provider_;
   int proxy_cpu_ = -1;
+  std::vector<int> proxy_cpus_;
   bool on_gpu_ = false;
   std::string fallback_;           // why GPU memory was wanted and not used
   RdmaVisibility visibility_ = RdmaVisibility::kOrdered;

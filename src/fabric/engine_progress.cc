@@ -24,12 +24,18 @@ constexpr size_t kPollBatch = 64;
 }  // namespace
 
 void EngineCore::ProgressLoop() {
-  if (options_.progress_cpu >= 0) {
+  if (options_.progress_cpu >= 0 || !options_.progress_cpus.empty()) {
     cpu_set_t set;
     CPU_ZERO(&set);
-    CPU_SET(options_.progress_cpu, &set);
+    if (options_.progress_cpu >= 0) {
+      CPU_SET(options_.progress_cpu, &set);
+    } else {
+      for (int c : options_.progress_cpus)
+        if (c >= 0 && c < CPU_SETSIZE) CPU_SET(c, &set);
+    }
     int rc = pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-    if (rc != 0) JAX_MOE_LOG(kWarn, "pinning the progress thread to CPU %d failed: %d", int(options_.progress_cpu), int(rc));
+    if (rc != 0) JAX_MOE_LOG(kWarn, "pinning the progress thread (CPU %d, %d cores) failed: %d",
+                             int(options_.progress_cpu), int(options_.progress_cpus.size()), int(rc));
   }
   try {
     for (size_t i = 0; i < kRecvBuffers; ++i) PostRecvBuffer(0, NewOp(OpContext::kRecv, 0, 0));

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <memory>
 
 namespace jax_moe::fabric {
@@ -122,6 +124,41 @@ std::vector<int> NicsForGpu(const std::string& gpu_bus_id, const std::vector<std
   nic_paths.reserve(nic_bus_ids.size());
   for (const std::string& id : nic_bus_ids) nic_paths.push_back(PciSysfsPath(id, sysfs_root));
   return NearestNics(PciSysfsPath(gpu_bus_id, sysfs_root), nic_paths);
+}
+
+std::vector<int> ParseCpuList(const std::string& list) {
+  std::vector<int> cpus;
+  size_t at = 0;
+  const std::string text = list.substr(0, list.find_last_not_of(" \n\t") + 1);
+  while (at < text.size()) {
+    size_t end = text.find(',', at);
+    if (end == std::string::npos) end = text.size();
+    const std::string item = text.substr(at, end - at);
+    char* stop = nullptr;
+    const long lo = std::strtol(item.c_str(), &stop, 10);
+    long hi = lo;
+    if (stop == item.c_str() || lo < 0) return {};
+    if (*stop == '-') {
+      const char* from = stop + 1;
+      hi = std::strtol(from, &stop, 10);
+      if (stop == from || hi < lo) return {};
+    }
+    if (*stop != 0 || hi >= 1 << 16) return {};
+    for (long c = lo; c <= hi; ++c) cpus.push_back(int(c));
+    at = end + 1;
+  }
+  std::sort(cpus.begin(), cpus.end());
+  cpus.erase(std::unique(cpus.begin(), cpus.end()), cpus.end());
+  return cpus;
+}
+
+std::vector<int> PciLocalCpus(const std::string& bus_id, const std::string& sysfs_root) {
+  const std::string id = NormalizePciBusId(bus_id);
+  if (id.empty()) return {};
+  std::ifstream in(sysfs_root + "/bus/pci/devices/" + id + "/local_cpulist");
+  std::string line;
+  if (!in || !std::getline(in, line)) return {};
+  return ParseCpuList(line);
 }
 
 }  // namespace jax_moe::fabric

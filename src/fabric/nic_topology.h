@@ -33,4 +33,12 @@ std::vector<int> NearestNics(const std::string& gpu_path, const std::vector<std:
 std::vector<int> NicsForGpu(const std::string& gpu_bus_id, const std::vector<std::string>& nic_bus_ids,
                             const std::string& sysfs_root = "/sys");
 
+// The CPUs local to a PCI device (its NUMA node: <sysfs_root>/bus/pci/devices/<id>/local_cpulist, "0-15,32-47"),
+// ascending; empty when unknown. A GPU's proxy thread runs there by default: its polls of host-mapped words and its
+// copies stay on the GPU's and NIC's socket.
+std::vector<int> PciLocalCpus(const std::string& bus_id, const std::string& sysfs_root = "/sys");
+
+// "0-3,8,10-11" -> {0,1,2,3,8,10,11}; empty on malformed input.
+std::vector<int> ParseCpuList(const std::string& list);
+
 }  // namespace jax_moe::fabric

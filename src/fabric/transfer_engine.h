@@ -50,6 +50,7 @@ struct EngineOptions {
   std::string provider = "auto";  // "auto" (efa, verbs, tcp, shm), "efa", "verbs", "tcp", "shm"
   int num_nics = 1;               // domains opened; a peer set's members are sharded over them
   int progress_cpu = -1;          // pin the progress thread to this core (-1: no pinning)
+  std::vector<int> progress_cpus;  // else keep it on these cores (a NUMA node's), when not empty
   bool busy_poll = false;         // never nap when idle (lowest latency, burns a core)
   // Tests without a GPU: device-memory registrations are taken as host memory (Registration::kFakeDevice), so the
   // paths that carry device regions run on CPU. Never set for real CUDA memory.

@@ -152,6 +152,7 @@ void RegisterCuda(nb::module_& m) {
         d["bytes"] = dev->fabric->BytesAllocated();
         d["remote_ranks"] = dev->args.num_remote;
         d["proxy_cpu"] = dev->fabric->proxy_cpu();
+        d["proxy_cpus"] = dev->fabric->proxy_cpus();
         return d;
       },
       "The fabric of a device ({} without remote ranks): provider, where its areas live, their bytes, the core of "

@@ -197,3 +197,23 @@ def test_real_sysfs_does_not_crash() -> None:
     assert all(p.startswith("/sys/devices/") for p in paths)
     if ids:
         assert T.nearest_nics(ids[0], ids) == [0]  # a device is nearest itself
+
+
+def test_cpu_lists_parse_or_refuse() -> None:
+    assert T.parse_cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert T.parse_cpu_list("5") == [5]
+    assert T.parse_cpu_list("4-6,5") == [4, 5, 6]  # overlaps once
+    for bad in ("", "a", "3-1", "1,,2", "-1", "1-"):
+        assert T.parse_cpu_list(bad) == [], bad
+
+
+def test_a_gpus_local_cpus_come_from_its_numa_node(tmp_path: Path) -> None:
+    """The proxy of a GPU is kept on the CPUs of the GPU's NUMA node (local_cpulist of its PCI device)."""
+    fs, gpus, _ = dgx_like(tmp_path)
+    root = str(tmp_path)
+    for i, g in enumerate(gpus):
+        cpus = "0-15,64-79" if i < 4 else "16-31,80-95"
+        (Path(T.pci_sysfs_path(g, root)) / "local_cpulist").write_text(cpus + "\n")
+    assert T.pci_local_cpus(gpus[0], root) == list(range(16)) + list(range(64, 80))
+    assert T.pci_local_cpus("00000000:" + gpus[7][5:], root) == list(range(16, 32)) + list(range(80, 96))
+    assert T.pci_local_cpus("0000:ff:00.0", root) == []  # unknown device: anywhere

@@ -98,7 +98,7 @@ nodes_bench() {  # TAG: the cross-node decode benchmark on one GPU, two processe
   mps_start
   for provider in ${NODES_PROVIDERS:-shm tcp}; do
     for memory in ${NODES_MEMORY:-auto}; do
-      stage "${tag}_${provider}_${memory}" 300 env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_CUDA_TRACE=1 \
+      stage "${tag}_${provider}_${memory}" ${NODES_LIMIT_S:-400} env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_CUDA_TRACE=1 \
         JAX_MOE_FABRIC_MEMORY=$memory python3 -m jax_moe.bench moe --backend cuda --shape "${NODES_SHAPE:-decode}" \
         --iters "${NODES_ITERS:-200}" --processes 2 --ranks-per-node 1 --provider "$provider" \
         --out "$OUT/${tag}_${provider}_${memory}"
@@ -133,7 +133,7 @@ if has hmem; then  # issue 25: libfabric 2.6 built with CUDA (carried in third_p
   export LIBFABRIC_ROOT=/tmp/lfi LD_LIBRARY_PATH=/tmp/lfi/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   stage hmem_build 400 bash -c 'python3 -m pip install --no-build-isolation --no-deps -e . \
     --config-settings=build-dir=build/lf26 && python3 -c "import jax_moe._core as c; print(\"jax_moe._core:\", c.build_info())"'
-  stage hmem_tests 600 env JAX_MOE_TEST_FABRIC_HMEM=1 python3 -m pytest -q -p no:cacheprovider --capture=sys \
+  stage hmem_tests 600 env JAX_MOE_TEST_FABRIC_HMEM=shm python3 -m pytest -q -p no:cacheprovider --capture=sys \
     --runslow -m gpu tests/gpu/test_cuda_nodes.py ${HMEM_TESTS:-}
   stage hmem_fabric 300 env JAX_PLATFORMS=cpu python3 -m pytest -q -p no:cacheprovider -n 4 tests/fabric
   NODES_MEMORY=${HMEM_MEMORY:-device host} nodes_bench hmem

@@ -41,15 +41,19 @@ def _run_workers(nproc: int, ranks_per_node: int, provider: str, rng, **extra_en
         assert f"OK process {i}/{nproc} devices={nproc} backend=cuda" in out, out[-3000:]
 
 
-def _expect_on_gpu(memory: str) -> dict[str, str]:
+def _expect_on_gpu(memory: str, provider: str) -> dict[str, str]:
     """What the workers must find: "host" always gives host memory; "device" GPU memory (or the Communicator fails);
-    "auto" GPU memory exactly where the test run says the libfabric has CUDA ($JAX_MOE_TEST_FABRIC_HMEM=1, set by
-    device_run.sh's hmem stage), else whatever it found (printed)."""
+    "auto" GPU memory exactly for the providers that $JAX_MOE_TEST_FABRIC_HMEM lists (those whose libfabric takes
+    CUDA memory: device_run.sh's hmem stage sets "shm"; libfabric 2.6's tcp has no FI_HMEM), else host memory with
+    the reason; unset: whatever it found (printed)."""
     if memory == "host":
         return {"MP_EXPECT_FABRIC_ON_GPU": "0"}
-    if memory == "device" or os.environ.get("JAX_MOE_TEST_FABRIC_HMEM") is not None:
-        return {"MP_EXPECT_FABRIC_ON_GPU": "1" if memory == "device" else os.environ["JAX_MOE_TEST_FABRIC_HMEM"]}
-    return {}
+    if memory == "device":
+        return {"MP_EXPECT_FABRIC_ON_GPU": "1"}
+    hmem = os.environ.get("JAX_MOE_TEST_FABRIC_HMEM")
+    if hmem is None:
+        return {}
+    return {"MP_EXPECT_FABRIC_ON_GPU": "1" if provider in hmem.split(",") else "0"}
 
 
 @pytest.mark.multiprocess
@@ -58,9 +62,7 @@ def _expect_on_gpu(memory: str) -> dict[str, str]:
 def test_two_processes_as_two_nodes(provider, memory, rng):
     """2 processes x 1 GPU, ranks_per_node=1: every byte between the ranks goes through the proxies, with the areas in
     GPU memory (where the provider registers it: the NIC reads and writes HBM) and in pinned host memory."""
-    if memory == "auto" and os.environ.get("JAX_MOE_TEST_FABRIC_HMEM") == "0":
-        pytest.skip("this libfabric has no CUDA: auto is host memory, covered by the host case")
-    _run_workers(2, 1, provider, rng, JAX_MOE_FABRIC_MEMORY=memory, **_expect_on_gpu(memory))
+    _run_workers(2, 1, provider, rng, JAX_MOE_FABRIC_MEMORY=memory, **_expect_on_gpu(memory, provider))
 
 
 @pytest.mark.multiprocess
@@ -77,7 +79,7 @@ def test_two_processes_in_one_node(one_kernel, rng):
 @pytest.mark.multiprocess
 def test_four_processes_as_two_nodes_of_two_hybrid(rng):
     """4 processes as 2 nodes x 2 ranks: NVLink (CUDA IPC) inside a node, the proxy between nodes, in one group."""
-    _run_workers(4, 2, "shm", rng, **_expect_on_gpu("auto"))
+    _run_workers(4, 2, "shm", rng, **_expect_on_gpu("auto", "shm"))
 
 
 def test_one_process_driving_two_gpus_as_two_nodes(rng):

@@ -178,8 +178,12 @@ class OfiBackend final : public Backend {
       Throw(ErrorCode::kUnavailable, "provider " + provider_ + " did not grant FI_HMEM: it cannot register CUDA memory");
     }
 #ifdef FI_MR_DMABUF
-    const char* dmabuf = std::getenv("JAX_MOE_FABRIC_DMABUF");  // "0": the CUDA pointer only
-    if (mem.dmabuf_fd >= 0 && (dmabuf == nullptr || std::string(dmabuf) != "0")) {
+    // A dmabuf is how a NIC's kernel driver maps GPU memory without nvidia-peermem: efa takes it. shm copies with
+    // CUDA itself (IPC handles, cudaMemcpy) and needs the pointer; on libfabric 2.6 its dmabuf registrations
+    // delivered wrong data here. $JAX_MOE_FABRIC_DMABUF: "1" tries it on every provider, "0" on none.
+    const char* env = std::getenv("JAX_MOE_FABRIC_DMABUF");
+    const std::string dmabuf = env == nullptr ? "" : env;
+    if (mem.dmabuf_fd >= 0 && dmabuf != "0" && (provider_ == "efa" || dmabuf == "1")) {
       try {
         return RegisterAs(ptr, nbytes, mem, Registration::kDmabuf);
       } catch (const Error& e) {

@@ -1,0 +1,280 @@
+"""Floors of the moe benchmark's operations between nodes (`--processes N --ranks-per-node R`, backend cuda).
+
+    floor(op) = p50 of the same operation and shape at EP1 (the benchmark again in one process, one rank)
+              + p50 of the TransferEngine's one-way time for the bytes the operation sends to a remote rank
+                (`bench fabric`, on the provider and the memory, GPU or pinned host, of the run's `fabric_info()`)
+
+all measured in the same invocation, after the multi-process run. A send half only packs and rings its proxy's bell:
+the bytes travel while the receive half waits, so the one-way time goes into the receive halves and the totals, and a
+send half's floor is its EP1 time. Target: p50 <= 1.5 * floor + 10 us. A floor that cannot be measured reads
+"n/a (why)"; it never costs the run its own results.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Optional, Union
+
+from jax_moe.bench import processes
+
+OPS = ("dispatch_send", "dispatch_recv", "dispatch", "combine_send", "combine_recv", "combine")
+WIRE = {"dispatch_send": None, "dispatch_recv": "dispatch", "dispatch": "dispatch",  # whose bytes an op waits for
+        "combine_send": None, "combine_recv": "combine", "combine": "combine"}
+TARGET_FACTOR, TARGET_SLACK_US = 1.5, 10.0
+TARGET = f"p50 <= {TARGET_FACTOR} * floor + {TARGET_SLACK_US:g} us"
+DEFINITION = ("EP1 p50 of the same operation and shape + TransferEngine one-way p50 (bench fabric, same provider and "
+              "memory) for the bytes it sends to a remote rank; send halves: EP1 only")
+
+Ep1 = Union[dict, str]    # (shape, tokens, backend) -> {op: p50}, or why there is none
+Wire = Union[dict, str]   # bytes -> one-way p50 us, or why there is none
+
+
+class Unavailable(Exception):
+    """An input of the floors could not be measured; the message says why."""
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--floor-timeout", type=float, default=600.0,
+                   help="ranks on other nodes: seconds allowed to each run the floors take (EP1, bench fabric); "
+                        "0 skips the floors")
+
+
+# --- arithmetic ------------------------------------------------------------------------------------------------------
+def one_way_us(round_us: float, empty_round_us: float) -> float:
+    """`bench fabric`'s round is S bytes out and a zero-byte answer back; the answer costs half an empty round (zero
+    bytes each way), so one way = round(S) - round(0) / 2. Clamped at 0: at tiny S the two p50s' noise may cross."""
+    return max(0.0, round_us - empty_round_us / 2)
+
+
+def target_us(floor: float) -> float:
+    return TARGET_FACTOR * floor + TARGET_SLACK_US
+
+
+def op_floor(p50: Optional[float], ep1: Union[float, str], wire: Union[tuple[int, float], str, None]) -> dict:
+    """One operation's entry: `ep1` is the EP1 p50 or why it is missing; `wire` is (bytes, one-way p50 us), why it is
+    missing, or None for a send half (no bytes waited for)."""
+    for why in (ep1, wire):
+        if isinstance(why, str):
+            return {"n/a": why}
+    nbytes, wire_us = wire if wire is not None else (0, 0.0)
+    floor = float(ep1) + wire_us
+    out: dict[str, Any] = {"floor_us": floor, "ep1_p50_us": float(ep1), "wire_bytes": nbytes,
+                           "wire_one_way_us": wire_us, "target_us": target_us(floor), "p50_us": p50}
+    if p50 is not None:
+        out["ratio"] = p50 / floor if floor > 0 else None
+        out["meets_target"] = p50 <= target_us(floor)
+    return out
+
+
+def wire_bytes(rec: dict) -> dict[str, int]:
+    """Bytes per rank that a record's dispatch and combine send to remote ranks (what the moe run counted as sent)."""
+    return {"dispatch": round(rec.get("remote_dispatch_bytes_sent", rec["remote_dispatch_bytes"])),
+            "combine": round(rec.get("remote_combine_bytes_sent", rec["remote_combine_bytes"]))}
+
+
+def rec_floors(rec: dict, ep1: Ep1, wire: Wire) -> dict[str, dict]:
+    """Every operation of a moe record beside its floor."""
+    key = (rec["shape"], int(rec["tokens"]), rec["backend"])
+    mine = ep1 if isinstance(ep1, str) else ep1.get(key, f"the EP1 run has no {key[0]} T={key[1]} {key[2]}")
+    nbytes = wire_bytes(rec)
+    out = {}
+    for op in OPS:
+        e = mine if isinstance(mine, str) else mine.get(op)
+        if e is None:
+            e = f"the EP1 run did not time {op}"
+        w: Union[tuple[int, float], str, None] = None
+        if WIRE[op] is not None:
+            b = nbytes[WIRE[op]]
+            w = wire if isinstance(wire, str) else ((b, wire[b]) if b in wire else f"bench fabric has no {b} B round")
+        out[op] = op_floor(rec["stats"][op]["p50"], e, w)
+    return out
+
+
+# --- the runs' JSON -------------------------------------------------------------------------------------------------
+def parse_ep1(doc: dict) -> dict:
+    """EP1 p50 per operation by (shape, tokens, backend), from the moe benchmark's results.json."""
+    return {(r["shape"], int(r["tokens"]), r["backend"]): {op: (r["stats"].get(op) or {}).get("p50") for op in OPS}
+            for r in doc["results"]}
+
+
+def parse_fabric(doc: dict, provider: str) -> tuple[dict[int, float], str]:
+    """One-way p50 us per size from `bench fabric --json` (whose sizes include 0), and how the memory was registered."""
+    rows = doc.get(provider)
+    if not rows:
+        raise Unavailable(f"bench fabric wrote no rows for {provider}")
+    rounds = {int(r["size"]): float(r["p50_us"]) for r in rows}
+    if 0 not in rounds:
+        raise Unavailable("bench fabric timed no empty round (size 0)")
+    registration = doc.get(f"{provider}_registration") or rows[0].get("registration") or "?"
+    return {s: one_way_us(v, rounds[0]) for s, v in rounds.items()}, str(registration)
+
+
+# --- the runs -------------------------------------------------------------------------------------------------------
+def run_json(cmd: list[str], json_path: str, timeout: float, log_path: str, env: Optional[dict] = None) -> dict:
+    """Runs `cmd` (its output into `log_path`) for at most `timeout` s and reads the JSON it wrote to `json_path`.
+    Unavailable on a timeout, a failure or no JSON. The command runs in its own process group: its own children (the
+    fabric workers) go with it."""
+    name = " ".join(cmd[3:5]) if cmd[1:3] == ["-m", "jax_moe.bench"] else os.path.basename(cmd[0])
+    if os.path.exists(json_path):
+        os.remove(json_path)  # an earlier run's results must not pass for this one's
+    with open(log_path, "w") as log:
+        try:
+            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        except OSError as e:
+            raise Unavailable(f"{name} did not start: {e}") from None
+        try:
+            rc = p.wait(timeout)
+        except BaseException as e:  # a timeout, or ^C: never leave the run behind
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:  # the group is gone already
+                pass
+            p.wait()
+            if isinstance(e, subprocess.TimeoutExpired):
+                raise Unavailable(f"{name} ran past {timeout:g} s (log {log_path})") from None
+            raise
+    if rc:
+        with open(log_path, errors="replace") as f:
+            tail = [line.strip() for line in f.read()[-4000:].splitlines() if line.strip()][-1:]
+        raise Unavailable(f"{name} exited with {rc}: {' '.join(tail)[-300:]} (log {log_path})")
+    try:
+        with open(json_path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise Unavailable(f"{name} wrote no results: {e}") from None
+
+
+def ep1_command(args: argparse.Namespace, backends: list[str], shapes: list[str], out: str) -> list[str]:
+    """The moe benchmark at EP1 with the multi-process run's shapes, iterations and seed."""
+    cmd = [sys.executable, "-m", "jax_moe.bench", "moe", "--backend", ",".join(backends), "--shape", ",".join(shapes),
+           "--ranks", "1", "--warmup", str(args.warmup), "--unroll", str(args.unroll), "--seed", str(args.seed),
+           "--out", out]
+    for flag, v in (("--iters", args.iters), ("--sweep-iters", args.sweep_iters)):
+        if v:
+            cmd += [flag, str(v)]
+    return cmd
+
+
+def ep1_env() -> dict:
+    """This environment (the same SM share under MPS, the same trace switch) without what makes ranks remote."""
+    return {k: v for k, v in os.environ.items() if k not in ("JAX_MOE_RANKS_PER_NODE", processes.PROC_ENV)}
+
+
+def fabric_command(provider: str, memory: str, sizes: list[int], gpus: int, path: str) -> list[str]:
+    return [sys.executable, "-m", "jax_moe.bench", "fabric", "--providers", provider, "--peers", "1",
+            "--sizes", ",".join(map(str, sorted({0, *sizes}))), "--memory", memory, "--gpus", str(gpus),
+            "--json", path]
+
+
+def attach(doc: dict, args: argparse.Namespace, work: str) -> Optional[dict]:
+    """Measures the floors of `doc`'s records with remote ranks (EP1 run, then bench fabric; files under `work`) and
+    writes them into the records ("floor") and the meta ("floor"); returns that meta, None without such records."""
+    recs = [r for r in doc["results"] if r.get("fabric")]
+    if not recs:
+        return None
+    info = next(iter(recs[0]["fabric"].values()))
+    provider, on_gpu = str(info["provider"]), bool(info["on_gpu"])
+    memory = "cuda" if on_gpu else "host"
+    timeout = float(args.floor_timeout)
+    meta: dict[str, Any] = {"definition": DEFINITION, "target": TARGET, "provider": provider,
+                            "on_gpu": on_gpu, "run_memory": info.get("memory")}
+
+    shapes = list(dict.fromkeys(r["shape"] for r in recs))
+    backends = list(dict.fromkeys(r["backend"] for r in recs))
+    ep1_out = os.path.join(work, "floor_ep1")
+    cmd = ep1_command(args, backends, shapes, ep1_out)
+    started = time.perf_counter()
+    print(f"[moe] floors: EP1 run ({' '.join(cmd[4:])})", flush=True)
+    try:
+        ep1: Ep1 = parse_ep1(run_json(cmd, os.path.join(ep1_out, "results.json"), timeout,
+                                      os.path.join(work, "floor_ep1.log"), ep1_env()))
+        meta["ep1"] = {"command": cmd, "seconds": time.perf_counter() - started}
+    except Unavailable as e:
+        ep1 = f"EP1 run: {e}"
+        meta["ep1"] = {"command": cmd, "error": ep1}
+
+    sizes = sorted({b for r in recs for b in wire_bytes(r).values()})
+    path = os.path.join(work, "floor_fabric.json")
+    cmd = fabric_command(provider, memory, sizes, processes.gpu_count(), path)
+    print(f"[moe] floors: bench fabric ({' '.join(cmd[4:])})", flush=True)
+    try:
+        wire, registration = parse_fabric(run_json(cmd, path, timeout, os.path.join(work, "floor_fabric.log")),
+                                          provider)
+        meta["fabric"] = {"command": cmd, "memory": memory, "registration": registration,
+                          "one_way_p50_us": {str(k): v for k, v in wire.items()}}
+    except Unavailable as e:
+        wire = f"bench fabric ({provider}, {memory} memory): {e}"
+        meta["fabric"] = {"command": cmd, "memory": memory, "error": wire}
+    for rec in recs:
+        rec["floor"] = rec_floors(rec, ep1, wire)
+    doc["meta"]["floor"] = meta
+    return meta
+
+
+# --- output ---------------------------------------------------------------------------------------------------------
+def _num(v: Optional[float]) -> str:
+    return f"{'-':>9s}" if v is None else (f"{v:9.1f}" if v < 1e5 else f"{v:9.2e}")
+
+
+def table(results: list[dict], meta: dict) -> list[str]:
+    """Each operation of the records with floors: p50, p99, FLOOR (= EP1 + one-way), measured / floor, target."""
+    fab = meta.get("fabric", {})
+    lines = [f"[moe] FLOOR = EP1 p50 (same op and shape) + TransferEngine one-way p50 ({meta['provider']}, "
+             f"{fab.get('memory')} memory, registered as {fab.get('registration', 'n/a')}) for the bytes sent to the "
+             f"remote rank (send halves: EP1 only, their bytes travel during the receive half); us; target {TARGET}",
+             f"{'shape':8s} {'T':>5s} {'backend':10s} {'op':13s} {'p50':>9s} {'p99':>9s} {'FLOOR':>9s} {'EP1':>9s} "
+             f"{'one-way':>9s} {'bytes':>9s} {'x floor':>8s}  target"]
+    for rec in results:
+        for op, f in rec.get("floor", {}).items():
+            st = rec["stats"][op]
+            row = (f"{rec['shape']:8s} {rec['tokens']:5d} {rec['backend']:10s} {op:13s} {_num(st['p50'])} "
+                   f"{_num(st['p99'])}")
+            if "n/a" in f:
+                lines.append(f"{row} {'n/a':>9s} ({f['n/a']})")
+                continue
+            wire = f["wire_one_way_us"] if WIRE[op] else None
+            ratio = f.get("ratio")
+            met = f.get("meets_target")
+            verdict = "-" if met is None else f"{'yes' if met else 'NO'} (<= {f['target_us']:.1f})"
+            lines.append(f"{row} {_num(f['floor_us'])} {_num(f['ep1_p50_us'])} {_num(wire)} "
+                         f"{f['wire_bytes'] if WIRE[op] else '-':>9} {'-' if ratio is None else f'{ratio:8.2f}':>8}"
+                         f"  {verdict}")
+    return lines
+
+
+def wanted(args: argparse.Namespace) -> bool:
+    """A launcher of ranks on other nodes whose backends include cuda (the default ones on GPU do)."""
+    return (args.processes > 1 and args.ranks_per_node is not None and args.floor_timeout > 0
+            and (args.backend is None or "cuda" in args.backend))
+
+
+def report(args: argparse.Namespace, started: float) -> None:
+    """In the launcher, after the processes: the floors of the results they wrote, where wanted(args)."""
+    if wanted(args):
+        report_file(os.path.join(args.out, "results.json"), args, started)
+
+
+def report_file(path: str, args: argparse.Namespace, started: float) -> None:
+    """The floors of the moe results at `path` (written at or after `started`, a time.time()), printed and written
+    into it; the runs' files go beside it. Never raises."""
+    try:
+        if os.path.getmtime(path) < started:
+            raise OSError(f"{path} is from an earlier run")
+        with open(path) as f:
+            doc = json.load(f)
+        meta = attach(doc, args, os.path.dirname(path) or ".")
+        if meta is None:
+            print("[moe] floors: n/a (no result with ranks on other nodes)")
+            return
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+    except Exception as e:  # noqa: BLE001 - the floors must never cost the run its results
+        print(f"[moe] floors: n/a ({type(e).__name__}: {e})", file=sys.stderr)
+        return
+    print("\n" + "\n".join(table(doc["results"], meta)))
+    print(f"[moe] floors written to {path}")

@@ -1,0 +1,56 @@
+"""The moe benchmark in several processes of one host: the launcher, the join (jax.distributed on a local port) and
+the GPU count both use (process i takes GPU i % count)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from typing import Optional
+
+PROC_ENV = "JAX_MOE_BENCH_PROC"  # "process,count,port,gpus" in a process started by launch()
+
+
+def gpu_count() -> int:
+    """GPUs of this host by `nvidia-smi -L` (1 where it is missing: the processes share whatever there is)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 1
+    return max(1, len(out.split("\n")) - 1)
+
+
+def launch(argv: list[str], processes: int, suite: str = "moe") -> int:
+    """Runs `python -m jax_moe.bench suite *argv` in `processes` processes of this host; process 0 prints and writes
+    the results. Returns process 0's exit status (the others' failures are printed)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    gpus = gpu_count()
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
+    procs = []
+    for i in range(processes):
+        env_i = dict(env, **{PROC_ENV: f"{i},{processes},{port},{gpus}"})
+        procs.append(subprocess.Popen([sys.executable, "-m", "jax_moe.bench", suite, *argv], env=env_i,
+                                      stdout=None if i == 0 else subprocess.PIPE,
+                                      stderr=None if i == 0 else subprocess.STDOUT, text=True))
+    rc = procs[0].wait()
+    for i, p in enumerate(procs[1:], 1):
+        out, _ = p.communicate()
+        if p.returncode:
+            print(f"[{suite}] process {i} exited with {p.returncode}:\n{out[-3000:]}", file=sys.stderr)
+            rc = rc or p.returncode
+    return rc
+
+
+def join() -> Optional[tuple[int, int, int]]:
+    """In a process started by launch(): joins the others (one GPU each, round-robin). (process, count, gpus)."""
+    spec = os.environ.get(PROC_ENV)
+    if not spec:
+        return None
+    import jax
+
+    proc, nproc, port, gpus = (int(v) for v in spec.split(","))
+    jax.distributed.initialize(f"127.0.0.1:{port}", nproc, proc, local_device_ids=[proc % gpus],
+                               initialization_timeout=120)
+    return proc, nproc, gpus
