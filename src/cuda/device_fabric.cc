@@ -216,7 +216,13 @@ std::string DeviceFabric::MemoryName() const {
                  : std::string("pinned host memory mapped into the GPU, registered as ") + how;
 }
 
-std::string DeviceFabric::VisibilityName() const { return on_gpu_ ? cuda::VisibilityName(visibility_) : "n/a"; }
+std::string DeviceFabric::VisibilityName() const {
+  if (!on_gpu_) return "n/a";
+  if (engine_->provider() == "shm" || engine_->provider() == "tcp") {
+    return "the provider copies with cudaMemcpy: the proxy waits for its copies before each arrival flag";
+  }
+  return cuda::VisibilityName(visibility_);
+}
 
 DeviceFabric::~DeviceFabric() {
   if (pump_) pump_->Drain(timeout_s_ < kDrainBoundS ? timeout_s_ : kDrainBoundS);
@@ -290,19 +296,33 @@ void DeviceFabric::Connect(const std::vector<RemoteEndpoint>& peers, std::functi
     uint64_t* words = reinterpret_cast<uint64_t*>(st.words->host());
     links.push_back({st.channel.get(), st.send_mr.get(), words, words + proxy::kBellWords});
   }
-  std::function<void()> flush;
-  if (on_gpu_ && visibility_ == RdmaVisibility::kFlush) {
+  // Before an arrival flag, what makes the round's bytes in GPU memory visible to the receive kernels:
+  // - shm and tcp move GPU memory with cudaMemcpy on this very thread (libfabric's hmem copies), and report the write
+  //   done once the copy is issued: a device-to-device cudaMemcpy does not wait for its copy, nor does one from
+  //   pageable host memory wait for its DMA. So the proxy waits for the legacy stream they use (XLA's streams are
+  //   non-blocking: this waits for no kernel of ours). For the same reason the sender's area is reused only once the
+  //   receivers read it (sent_when_read), not when the write completed.
+  // - a NIC's RDMA writes (efa, verbs) need a flush only where the GPU does not order them (visibility_).
+  const bool copies = on_gpu_ && (engine_->provider() == "shm" || engine_->provider() == "tcp");
+  const bool flushes = on_gpu_ && !copies && visibility_ == RdmaVisibility::kFlush;
+  std::function<void()> before_arrival;
+  if (copies || flushes) {
     const int ordinal = ordinal_;
-    flush = [ordinal] {  // on the engine's progress thread, which serves this GPU only
+    before_arrival = [ordinal, copies] {  // on the engine's progress thread, which serves this GPU only
       static thread_local int current = -1;
       if (current != ordinal) {
         Check(cudaSetDevice(ordinal), "cudaSetDevice(proxy thread)");
         current = ordinal;
       }
-      FlushRdmaWrites();
+      if (copies) {
+        Check(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize(the provider's copies)");
+      } else {
+        FlushRdmaWrites();
+      }
     };
   }
-  pump_ = std::make_unique<proxy::Pump>(std::move(links), timeout_s_, std::move(name), false, std::move(flush));
+  pump_ = std::make_unique<proxy::Pump>(std::move(links), timeout_s_, std::move(name), false, std::move(before_arrival),
+                                        copies);
 }
 
 void DeviceFabric::Fill(KernelArgs& a) const {

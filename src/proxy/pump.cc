@@ -25,8 +25,9 @@ double Now() {
 }  // namespace
 
 Pump::Pump(std::vector<Link> links, double timeout_s, std::function<std::string(int64_t)> name, bool own_thread,
-           std::function<void()> before_arrival)
-    : links_(std::move(links)), timeout_s_(timeout_s), name_(std::move(name)), before_arrival_(std::move(before_arrival)) {
+           std::function<void()> before_arrival, bool sent_when_read)
+    : links_(std::move(links)), timeout_s_(timeout_s), name_(std::move(name)), before_arrival_(std::move(before_arrival)),
+      sent_when_read_(sent_when_read) {
   Require(timeout_s > 0, "Pump: timeout must be positive");
   for (const Link& l : links_) Require(l.channel && l.area && l.bell && l.bytes, "Pump: incomplete link");
   states_.resize(links_.size());
@@ -114,7 +115,8 @@ bool Pump::Step(Link& link, State& st) {
     moved = true;
   }
   // The channel's own writes, not the engine's: other Communicators' pumps post through the same engine.
-  if (Load(link.bell + kSent) < st.posted && ch.SendsInFlight() == 0) {
+  if (Load(link.bell + kSent) < st.posted && ch.SendsInFlight() == 0 &&
+      (!sent_when_read_ || ch.ReadByReceivers(st.posted))) {
     Store(link.bell + kSent, st.posted);
     moved = true;
   }

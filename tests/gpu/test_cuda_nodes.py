@@ -56,12 +56,23 @@ def _expect_on_gpu(memory: str, provider: str) -> dict[str, str]:
     return {"MP_EXPECT_FABRIC_ON_GPU": "1" if provider in hmem.split(",") else "0"}
 
 
+def _takes_device_memory(provider: str) -> bool:
+    from jax_moe import fabric
+    engine = fabric.TransferEngine(provider)
+    try:
+        return engine.supports_device_memory
+    finally:
+        engine.close()
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("memory", ["auto", "host"])
+@pytest.mark.parametrize("memory", ["auto", "host", "device"])
 @pytest.mark.parametrize("provider", ["tcp", "shm"])
 def test_two_processes_as_two_nodes(provider, memory, rng):
     """2 processes x 1 GPU, ranks_per_node=1: every byte between the ranks goes through the proxies, with the areas in
     GPU memory (where the provider registers it: the NIC reads and writes HBM) and in pinned host memory."""
+    if memory == "device" and not _takes_device_memory(provider):
+        pytest.skip(f"this libfabric's {provider} provider does not grant FI_HMEM (CUDA memory)")
     _run_workers(2, 1, provider, rng, JAX_MOE_FABRIC_MEMORY=memory, **_expect_on_gpu(memory, provider))
 
 
