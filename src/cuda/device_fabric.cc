@@ -146,10 +146,12 @@ std::pair<Area, std::shared_ptr<fabric::MemoryRegion>> DeviceFabric::NewArea(siz
 }
 
 void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory) {
-  // GPU memory where the engine takes it: the NIC then writes the rows where the receive kernels read them (HBM),
-  // instead of into host memory that every kernel read crosses PCIe for. The first registration decides; a refusal
-  // there (a libfabric without CUDA) falls back to pinned host memory, unless GPU memory was asked for explicitly.
-  on_gpu_ = memory != AreaMemory::kHost;
+  // GPU memory only when asked for (fabric_memory="device"): the NIC then writes the rows where the receive kernels
+  // read them (HBM), instead of into host memory that every kernel read crosses PCIe for. Not the default yet: on
+  // libfabric 2.6's shm (the only provider with CUDA on the test machine) receivers read stale rows and the decode
+  // benchmark timed out (docs/cuda.md, "GPU memory on the wire"), so "auto" keeps the verified host staging. A refusal
+  // of the first registration (a libfabric without CUDA) is an error naming the reason.
+  on_gpu_ = memory == AreaMemory::kDevice;
   if (on_gpu_ && !engine_->supports_device_memory()) {
     fallback_ = "provider " + engine_->provider() + " did not grant FI_HMEM";
     on_gpu_ = false;

@@ -52,8 +52,8 @@ struct Area {
   size_t allocated() const { return hbm ? hbm->size() : pinned->size(); }
 };
 
-// Where the fabric areas of a device live: "auto" (GPU memory where the engine can register it, else pinned host
-// memory), "device" (GPU memory or an error saying why not), "host" (pinned host memory).
+// Where the fabric areas of a device live: "device" (GPU memory, or an error saying why not), "host" (pinned host
+// memory), "auto" (today: pinned host memory, the verified path; see DeviceFabric::Open).
 enum class AreaMemory { kAuto, kDevice, kHost };
 AreaMemory ParseAreaMemory(const std::string& name);
 

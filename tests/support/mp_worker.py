@@ -77,8 +77,6 @@ def check_fabric_memory(comm) -> None:
     if want is not None and info:
         got = {o: bool(i["on_gpu"]) for o, i in info.items()}
         assert all(v == (want == "1") for v in got.values()), f"fabric areas on the GPU: {got}, wanted {want}: {info}"
-        if want == "0" and comm.fabric_memory != "host":  # fell back: the reason is reported
-            assert all(i["fallback"] for i in info.values()), info
 
 
 def main() -> None:
