@@ -184,10 +184,12 @@ def test_cuda_peers_from_the_exchange(monkeypatch):
     connected, fabric = [], []
     backend = object.__new__(CudaBackend)
     backend.native_id = 7
-    backend.options = SimpleNamespace(ranks_per_node=None, fabric_provider="tcp")
+    backend.options = SimpleNamespace(ranks_per_node=None, fabric_provider="tcp", fabric_memory="host")
+    opened = []
     backend._mod = SimpleNamespace(
         connect=lambda *a: connected.append(a),
-        open_fabric=lambda gid, ordinal, provider: (b"addr%d" % ordinal, [b"d0", b"d1", b"d2"]),
+        open_fabric=lambda gid, ordinal, provider, memory: (opened.append(memory) or
+                                                             (b"addr%d" % ordinal, [b"d0", b"d1", b"d2"])),
         connect_fabric=lambda *a: fabric.append(a))
     backend.table = bootstrap.RankTable((bootstrap.RankEntry(10, 0, 0, 0, 0), bootstrap.RankEntry(11, 0, 1, 0, 1),
                                          bootstrap.RankEntry(12, 1, 0, 0, 2)))
@@ -211,13 +213,14 @@ def test_cuda_peers_from_the_exchange(monkeypatch):
     assert [[spec[:2] for spec in specs] for _, _, specs in connected] == [[(0, 0), (1, 1), (2, 3)],
                                                                            [(0, 1), (1, 0), (2, 3)]]
     assert connected[0][2][2][4] == "process 1 on host there, GPU 0, node 1"
+    assert opened == ["host", "host"]  # each GPU's fabric opened with the Communicator's fabric_memory
     assert stages[0] == ("fabric", {"10": [b"addr0".hex(), ["6430", "6431", "6432"]],
                                     "11": [b"addr1".hex(), ["6430", "6431", "6432"]]})
     assert stages[1] == ("fabric", None)
     assert fabric == [(7, 0, [(2, b"\xaa", [b"\x01", b"\x02", b"\x03"])]),
                       (7, 1, [(2, b"\xaa", [b"\x01", b"\x02", b"\x03"])])]
     # A forced node across two hosts cannot map its GPUs' memory.
-    backend.options = SimpleNamespace(ranks_per_node=3, fabric_provider="tcp")
+    backend.options = SimpleNamespace(ranks_per_node=3, fabric_provider="tcp", fabric_memory="auto")
     with pytest.raises(ValueError, match="cannot map each other's memory"):
         backend._connect(bootstrap.Peers(["here", "there"], {1: {"12": b"ipc".hex()}}))
 
