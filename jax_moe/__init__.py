@@ -6,7 +6,8 @@
     d = comm.dispatch(x, topk_idx, topk_weights=topk_weights)  # d.expert_x, d.expert_x_scale, d.expert_counts
     out = comm.combine(expert_y, d=d)                 # sums with the dispatched weights (or pass other weights)
 """
-from jax_moe.api import combine, combine_recv, combine_send, dispatch, dispatch_recv, dispatch_send
+from jax_moe.api import (COMBINE_NAME, DISPATCH_NAME, combine, combine_recv, combine_send, dispatch, dispatch_recv,
+                         dispatch_send)
 from jax_moe.backends import BackendUnavailable
 from jax_moe.communicator import Communicator
 from jax_moe.config import MoEConfig
@@ -18,5 +19,5 @@ __version__ = "0.1.0"
 __all__ = [
     "MoEConfig", "Communicator", "Dispatched", "DispatchHandle", "CombineHandle", "BackendUnavailable",
     "dispatch", "combine", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv",
-    "quantize_fp8", "dequantize_fp8",
+    "quantize_fp8", "dequantize_fp8", "DISPATCH_NAME", "COMBINE_NAME",
 ]

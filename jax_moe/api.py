@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_moe import rounds, validate
 from jax_moe.contract import valid_entries, varying
@@ -23,6 +24,10 @@ from jax_moe.types import CombineHandle, Dispatched, DispatchHandle
 
 if TYPE_CHECKING:
     from jax_moe.communicator import Communicator
+
+# The checkpoint names of what dispatch and combine return (jax.checkpoint_policies.save_only_these_names).
+DISPATCH_NAME = "jax_moe.dispatch"
+COMBINE_NAME = "jax_moe.combine"
 
 
 def _per_rank(comm: "Communicator", x: jax.Array) -> jax.Array:
@@ -73,6 +78,9 @@ def _dispatch_receive(comm: "Communicator", handle: DispatchHandle, deferred: bo
         rounds.closed(comm, "dispatch", handle._handle, "dispatch_recv")
     expert_x, expert_x_scale, counts, route = _dispatch_recv(comm, handle._x, handle._x_scale, handle._topk_idx,
                                                              handle._handle)
+    # Names for remat policies (save_only_these_names(DISPATCH_NAME, COMBINE_NAME)).
+    expert_x, expert_x_scale, counts = (None if v is None else checkpoint_name(v, DISPATCH_NAME)
+                                        for v in (expert_x, expert_x_scale, counts))
     return Dispatched(expert_x, expert_x_scale, counts, handle._topk_idx, route, comm.id, handle._topk_weights)
 
 
@@ -156,7 +164,8 @@ def _combine_receive(comm: "Communicator", handle: CombineHandle, topk_weights: 
     validate.check_weights(comm, "combine_recv", w, d._topk_idx)
     if not deferred:
         rounds.closed(comm, "combine", handle._handle, "combine_recv")
-    return _combine_recv(comm, handle._expert_y, w, d._topk_idx, d._route, handle._handle)
+    return checkpoint_name(_combine_recv(comm, handle._expert_y, w, d._topk_idx, d._route, handle._handle),
+                           COMBINE_NAME)
 
 
 def combine(comm: "Communicator", expert_y: jax.Array, topk_weights: Optional[jax.Array] = None,

@@ -40,9 +40,13 @@ class RoundOrder(effects.Effect):
 
 
 _ORDER = RoundOrder()
+# remat_allowed_effects: jax.checkpoint / nnx.remat around a layer. Partial evaluation keeps effectful calls in the
+# forward pass and saves their results (it never replays a call with effects), so a checkpointed layer sends each
+# round once, in program order, whatever the policy; were a later JAX to recompute them, the token would still order
+# the recomputed rounds alike on every rank.
 for _kind in (effects.lowerable_effects, effects.ordered_effects, effects.shardable_ordered_effects,
               effects.control_flow_allowed_effects, effects.custom_derivatives_allowed_effects,
-              effects.partial_eval_kept_effects):
+              effects.partial_eval_kept_effects, effects.remat_allowed_effects):
     _kind.add_type(RoundOrder)
 
 _call_p = core.Primitive("jax_moe_call")

@@ -1,0 +1,116 @@
+"""MoE layers the way training stacks write them: wrapped in jax.checkpoint with a policy, scanned over stacked layer
+parameters (MaxText's scan_layers + remat policy), plus counting the native calls of a lowered program. Shared by
+tests/test_remat.py and the multi-process worker."""
+from __future__ import annotations
+
+import collections
+import re
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import jax_moe
+from support.grads import local_expert_of_rows
+from support.helpers import random_routing, received
+
+# name -> the policy (None: no checkpoint at all; "default": jax.checkpoint's own, everything recomputed).
+POLICIES: dict[str, object] = {
+    "plain": None,
+    "checkpoint": "default",
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "save_only_names": jax.checkpoint_policies.save_only_these_names(jax_moe.DISPATCH_NAME, jax_moe.COMBINE_NAME),
+}
+
+
+def moe_layer(comm: jax_moe.Communicator, split: bool) -> Callable:
+    """dispatch -> per-expert affine map -> combine, with the router weights at combine."""
+
+    def layer(x, idx, w, a, b):
+        d = comm.dispatch_recv(comm.dispatch_send(x, idx)) if split else comm.dispatch(x, idx)
+        e = local_expert_of_rows(d.expert_counts, d.expert_x.shape[0])
+        xe = received(d)[0].astype(jnp.float32)  # the padding rows masked: they are unspecified
+        y = (xe * a[e] + b[e]).astype(jnp.bfloat16)
+        return comm.combine_recv(comm.combine_send(y, d), w) if split else comm.combine(y, w, d)
+
+    return layer
+
+
+def with_policy(layer: Callable, variant: str) -> Callable:
+    policy = POLICIES[variant]
+    if policy is None:
+        return layer
+    return jax.checkpoint(layer) if policy == "default" else jax.checkpoint(layer, policy=policy)
+
+
+def remat_problem(rng, n: int, t: int, r: int, e: int, hidden: int, layers: int):
+    """(x, topk_idx, topk_weights, a [layers, e, hidden], b, g)."""
+    x = rng.standard_normal((n * t, hidden)).astype(jnp.bfloat16)
+    idx = random_routing(rng, n, t, r, e, mask=0.2)
+    w = (rng.random((n * t, r)) / r).astype(np.float32)  # summing to <= 1: values stay O(1) through the layers
+    a = (1 + 0.3 * rng.standard_normal((layers, e, hidden))).astype(np.float32)
+    b = (0.1 * rng.standard_normal((layers, e, hidden))).astype(np.float32)
+    g = rng.standard_normal((n * t, hidden)).astype(np.float32)
+    return x, idx, w, a, b, g
+
+
+def remat_grad_fn(comm: jax_moe.Communicator, variant: str, layers: int, split: bool = False,
+                  collective: bool = True):
+    """jit(grad) of the loss of `layers` MoE layers (one: called directly; more: lax.scan over the stacked a, b), each
+    wrapped as `variant` says, over (x, topk_weights, a, b). collective=False: per-rank partial losses pulled back
+    on their own (no all-reduce, for processes that cannot run XLA's collectives)."""
+    axis = comm.axis_name
+    layer = with_policy(moe_layer(comm, split), variant)
+
+    def body(x, idx, w, a, b, g):
+        if layers == 1:
+            out = layer(x, idx, w, a[0], b[0])
+        else:
+            out, _ = jax.lax.scan(lambda h, ab: (layer(h, idx, w, ab[0], ab[1]), None), x, (a, b))
+        part = jnp.sum(out.astype(jnp.float32) * g)
+        return jax.lax.psum(part, axis) if collective else part[None]
+
+    specs = (P(axis), P(axis), P(axis), P(None, axis), P(None, axis), P(axis))
+    f = jax.shard_map(body, mesh=comm.mesh, in_specs=specs, out_specs=P() if collective else P(axis))
+    if collective:
+        return jax.jit(jax.grad(f, argnums=(0, 2, 3, 4)))
+
+    def pullback(x, idx, w, a, b, g):
+        parts, vjp = jax.vjp(lambda x, w, a, b: f(x, idx, w, a, b, g), x, w, a, b)
+        return vjp(jnp.ones_like(parts))
+
+    return jax.jit(pullback)
+
+
+def dense_remat_loss(x, idx, w, a, b, g, num_experts: int):
+    """The same loss with no communication: each layer sums w * (x * a[e] + b[e]) over a token's unmasked experts,
+    rounding where the layer does (expert outputs and the combined rows to bf16)."""
+    valid = (idx >= 0) & (idx < num_experts)
+    safe = jnp.where(valid, idx, 0)
+    h = x
+    for layer in range(a.shape[0]):
+        y = (h.astype(jnp.float32)[:, None, :] * a[layer][safe] + b[layer][safe]).astype(jnp.bfloat16)
+        h = jnp.sum(jnp.where(valid[..., None], w[..., None] * y.astype(jnp.float32), 0.0), axis=1)
+        h = h.astype(jnp.bfloat16)
+    return jnp.sum(h.astype(jnp.float32) * g)
+
+
+def native_calls(fn, *args) -> collections.Counter:
+    """The jax_moe custom calls of fn's lowered program, by target (a scan body counts once)."""
+    return collections.Counter(re.findall(r"jax_moe_(?:cpu|cuda)_[a-z_]+", fn.lower(*args).as_text()))
+
+
+def check_against(got, want, what: str, rtol: float = 2e-2) -> None:
+    for name, gv, wv in zip(("x", "topk_weights", "a", "b"), got, want):
+        gv, wv = np.asarray(gv, np.float32), np.asarray(wv, np.float32)
+        assert gv.shape == wv.shape, (what, name)
+        scale = np.abs(wv).max() + 1e-6
+        np.testing.assert_allclose(gv, wv, rtol=rtol, atol=rtol * scale, err_msg=f"{what}: d loss / d {name}")
+
+
+def dense_grads(problem, num_experts: int, x_dtype: Optional[object] = None):
+    x, idx, w, a, b, g = problem
+    return jax.grad(dense_remat_loss, argnums=(0, 2, 3, 4))(jnp.asarray(x), idx, w, a, b, g, num_experts)
