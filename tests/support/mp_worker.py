@@ -32,11 +32,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_moe  # noqa: E402
 from jax_moe import multihost  # noqa: E402
 from support.grads import check_grads, grad_problem, moe_loss_fn  # noqa: E402
 from support.helpers import check_roundtrip, random_routing, random_tokens, roundtrip  # noqa: E402
+from support.remat import check_against, dense_grads, remat_grad_fn, remat_problem  # noqa: E402
 from support.program_shapes import run_all  # noqa: E402
 
 
@@ -122,6 +124,13 @@ def main() -> None:
     else:
         grads = moe_loss_fn(comm, split_halves=True, collective=not SHARED_GPUS)(*args)
         check_grads([gather(v) for v in grads], problem, e)
+        # Scan over three remat'ed layers (MaxText's scan_layers + a remat policy), across the processes.
+        rp = remat_problem(rng, n, t, r, e, hidden, 3)
+        specs = [P("ep"), P("ep"), P("ep"), P(None, "ep"), P(None, "ep"), P("ep")]
+        rargs = [jax.make_array_from_callback(v.shape, jax.sharding.NamedSharding(mesh, sp), lambda i, v=v: v[i])
+                 for v, sp in zip(rp, specs)]
+        got = remat_grad_fn(comm, "nothing_saveable", 3, collective=not SHARED_GPUS)(*rargs)
+        check_against([gather(v) for v in got], dense_grads(rp, e), "scan over remat'ed layers")
     print(f"OK process {proc}/{nproc} devices={n} backend={comm.backend_name}", flush=True)
 
 
