@@ -47,6 +47,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--shared-ffn", type=int, default=128, help="shared expert width (0: none)")
     p.add_argument("--data-mb", type=float, default=2.0, help="megabytes of stdlib source to read")
+    p.add_argument("--remat", default="none", choices=("none", "full", "dots", "moe"),
+                   help="remat each block (nnx.remat) with this policy: full = recompute everything, dots = keep "
+                        "matmul outputs, moe = keep what dispatch and combine returned; they run once either way")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
     _common.add_process_args(p)
@@ -83,13 +86,14 @@ def main() -> None:
     train, val = data[:split], data[split:]
     cfg = MoELMConfig(vocab_size=len(_common.VOCAB), hidden=args.hidden, num_layers=args.layers,
                       num_heads=args.heads, ffn=args.ffn, num_experts=args.experts, experts_per_token=args.topk,
-                      shared_ffn=args.shared_ffn)
+                      shared_ffn=args.shared_ffn, remat=args.remat)
     model = MoELM(cfg, mesh, backend=args.backend, rngs=nnx.Rngs(args.seed))
     n_params = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
     backend = model.blocks[0].moe.comm_for(args.batch * args.seq // ep).backend_name
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    remat = f", remat {args.remat}" if args.remat != "none" else ""
     log(f"devices: {ep} x {devices[0].platform}{processes}, jax_moe backend {backend!r}, {n_params / 1e6:.2f}M "
-        f"params, {len(train) / 1e6:.2f}M train / {len(val) / 1e6:.2f}M val characters")
+        f"params, {len(train) / 1e6:.2f}M train / {len(val) / 1e6:.2f}M val characters{remat}")
 
     warmup = min(20, args.steps // 4)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, max(args.steps, warmup + 1), args.lr * 0.1)

@@ -6,6 +6,9 @@ import json
 from typing import Any
 
 
+REMAT_POLICIES = ("none", "full", "dots", "moe")
+
+
 @dataclasses.dataclass(frozen=True)
 class MoELMConfig:
     """vocab_size: tokens (characters) of the LM. hidden: model width. num_layers blocks of attention + MoE.
@@ -13,6 +16,10 @@ class MoELMConfig:
     EP size), experts_per_token R. shared_ffn: width of the shared expert (0 = none). activation: "swiglu" | "gelu".
     tie_embeddings: the head reuses the embedding matrix. aux_loss_coef: weight of the load-balancing loss.
     rope_base: rotary position embedding base. dtype: compute/param dtype name ("float32" or "bfloat16").
+    remat: what a block keeps for the backward pass in training (nnx.remat around each block, as large training stacks
+    do): "none" (no remat: everything), "full" (nothing_saveable: recompute the block), "dots" (dots_saveable: keep
+    matmul outputs), "moe" (save_only_these_names(jax_moe.DISPATCH_NAME, jax_moe.COMBINE_NAME): keep what dispatch
+    and combine returned, recompute the rest). Dispatch and combine themselves run once whatever the policy.
     """
 
     vocab_size: int
@@ -28,8 +35,11 @@ class MoELMConfig:
     aux_loss_coef: float = 0.01
     rope_base: float = 10000.0
     dtype: str = "float32"
+    remat: str = "none"
 
     def __post_init__(self) -> None:
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"MoELMConfig: remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
         if self.hidden % self.num_heads or (self.hidden // self.num_heads) % 2:
             raise ValueError(f"MoELMConfig: hidden ({self.hidden}) must split into {self.num_heads} heads of an "
                              "even size (rotary embeddings)")

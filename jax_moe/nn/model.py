@@ -14,8 +14,16 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jax_moe
 from jax_moe.nn.config import MoELMConfig
 from jax_moe.nn.moe import MoE
+
+
+def remat_policy(name: str) -> Any:
+    """MoELMConfig.remat -> a jax.checkpoint policy (None for "none": no remat)."""
+    cp = jax.checkpoint_policies
+    return {"none": None, "full": cp.nothing_saveable, "dots": cp.dots_saveable,
+            "moe": cp.save_only_these_names(jax_moe.DISPATCH_NAME, jax_moe.COMBINE_NAME)}[name]
 
 
 class KVCache(NamedTuple):
@@ -110,8 +118,13 @@ class MoELM(nnx.Module):
         x = jax.nn.one_hot(tokens, embed.shape[0], dtype=embed.dtype) @ embed
         aux_total = jnp.float32(0.0)
         new_caches = [] if caches is not None else None
+        policy = remat_policy(self.cfg.remat) if caches is None else None  # decoding keeps nothing for a backward
         for i, block in enumerate(self.blocks):
-            x, aux, c = block(x, None if caches is None else caches[i], pos)
+            if policy is not None:
+                x, aux = nnx.remat(lambda blk, h: blk(h, None, pos)[:2], policy=policy)(block, x)
+                c = None
+            else:
+                x, aux, c = block(x, None if caches is None else caches[i], pos)
             aux_total = aux_total + aux
             if new_caches is not None:
                 new_caches.append(c)
