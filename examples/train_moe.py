@@ -50,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--remat", default="none", choices=("none", "full", "dots", "moe"),
                    help="remat each block (nnx.remat) with this policy: full = recompute everything, dots = keep "
                         "matmul outputs, moe = keep what dispatch and combine returned; they run once either way")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="run the blocks as one lax.scan over their stacked parameters (remat'ed inside with --remat)")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
     _common.add_process_args(p)
@@ -86,12 +88,13 @@ def main() -> None:
     train, val = data[:split], data[split:]
     cfg = MoELMConfig(vocab_size=len(_common.VOCAB), hidden=args.hidden, num_layers=args.layers,
                       num_heads=args.heads, ffn=args.ffn, num_experts=args.experts, experts_per_token=args.topk,
-                      shared_ffn=args.shared_ffn, remat=args.remat)
+                      shared_ffn=args.shared_ffn, remat=args.remat,
+                      scan_layers=args.scan_layers)
     model = MoELM(cfg, mesh, backend=args.backend, rngs=nnx.Rngs(args.seed))
     n_params = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
     backend = model.blocks[0].moe.comm_for(args.batch * args.seq // ep).backend_name
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
-    remat = f", remat {args.remat}" if args.remat != "none" else ""
+    remat = (f", remat {args.remat}" if args.remat != "none" else "") + (", scanned layers" if args.scan_layers else "")
     log(f"devices: {ep} x {devices[0].platform}{processes}, jax_moe backend {backend!r}, {n_params / 1e6:.2f}M "
         f"params, {len(train) / 1e6:.2f}M train / {len(val) / 1e6:.2f}M val characters{remat}")
 

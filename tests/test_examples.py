@@ -55,12 +55,13 @@ def check_outputs(out: str) -> dict:
 
 @pytest.mark.parametrize("backend,remat", [("auto", "full"), ("xla", "none")])
 def test_train_then_decode(tmp_path, backend: str, remat: str) -> None:
-    """The native backend with every block remat'ed (as large training stacks run), XLA's without."""
+    """The native backend with its blocks scanned and remat'ed (as MaxText runs them), XLA's plain."""
     out = str(tmp_path / "run")
-    log = run(os.path.join(EXAMPLES, "train_moe.py"), *train_args(out, backend), "--remat", remat)
+    scan = ["--scan-layers"] if remat != "none" else []
+    log = run(os.path.join(EXAMPLES, "train_moe.py"), *train_args(out, backend), "--remat", remat, *scan)
     native = "cpu" if backend == "auto" else backend  # what `make demo` gets on CPU
     assert f"devices: 4 x cpu, jax_moe backend '{native}'" in log, log[-2000:]
-    assert (f"remat {remat}" in log) == (remat != "none"), log[-2000:]
+    assert (f"remat {remat}, scanned layers" in log) == (remat != "none"), log[-2000:]
     check_outputs(out)
 
     text = run(os.path.join(EXAMPLES, "decode_moe.py"), "--checkpoint", out, "--max_new_tokens", "5",

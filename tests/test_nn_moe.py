@@ -147,27 +147,30 @@ def test_decode_steps_match_full_forward() -> None:
 
 
 @pytest.mark.parametrize("backend", ["cpu", "xla"])
-def test_lm_gradients_are_the_same_under_every_remat_policy(backend: str) -> None:
-    """MoELMConfig.remat (nnx.remat around each block, with the usual policies): the loss and every parameter's
-    gradient equal those without remat, on the native backend too (its dispatch/combine carry an ordered effect)."""
+def test_lm_gradients_are_the_same_under_every_remat_policy_and_scan(backend: str) -> None:
+    """MoELMConfig.remat (nnx.remat around each block, with the usual policies) and scan_layers (lax.scan over the
+    stacked blocks, remat'ed inside): the loss and every parameter's gradient equal those of the plain loop, on the
+    native backend too (its dispatch/combine carry an ordered effect)."""
     mesh = mesh4()
     tokens = jax.device_put(np.random.default_rng(7).integers(0, 20, (4, 9)).astype(np.int32),
                             NamedSharding(mesh, P("ep")))
     results = {}
-    for remat in ("none", "full", "dots", "moe"):
-        cfg = MoELMConfig(vocab_size=20, hidden=16, num_layers=2, num_heads=2, ffn=16, num_experts=E,
-                          experts_per_token=R, shared_ffn=8, remat=remat)
+    for remat, scan in [("none", False), ("full", False), ("dots", False), ("moe", False), ("none", True),
+                        ("full", True), ("moe", True)]:
+        cfg = MoELMConfig(vocab_size=20, hidden=16, num_layers=3, num_heads=2, ffn=16, num_experts=E,
+                          experts_per_token=R, shared_ffn=8, remat=remat, scan_layers=scan)
         model = MoELM(cfg, mesh, backend=backend, rngs=nnx.Rngs(3))
         (loss, _), grads = nnx.jit(nnx.value_and_grad(lm_loss, has_aux=True))(model, tokens)
-        results[remat] = float(loss), jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(grads, nnx.Param)))
+        results[remat, scan] = float(loss), jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(grads, nnx.Param)))
         graphdef, state = nnx.split(model)
         jaxpr = str(jax.make_jaxpr(jax.grad(lambda st: lm_loss(nnx.merge(graphdef, st), tokens)[0]))(state))
         assert ("checkpoint" in jaxpr or "remat" in jaxpr) == (remat != "none"), remat  # the blocks are remat'ed
-    base_loss, base_grads = results["none"]
-    for remat, (loss, grads) in results.items():
-        assert loss == pytest.approx(base_loss, rel=1e-5), remat
+        assert ("length=3" in jaxpr) == scan, scan  # a scan over the 3 blocks
+    base_loss, base_grads = results["none", False]
+    for what, (loss, grads) in results.items():
+        assert loss == pytest.approx(base_loss, rel=1e-5), what
         for (path, g), (_, want) in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
                                         jax.tree_util.tree_flatten_with_path(base_grads)[0]):
-            np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-6, err_msg=f"remat={remat} {path}")
+            np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-6, err_msg=f"{what} {path}")
     with pytest.raises(ValueError, match="remat must be one of"):
         MoELMConfig(vocab_size=20, remat="everything")

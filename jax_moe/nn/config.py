@@ -20,6 +20,8 @@ class MoELMConfig:
     do): "none" (no remat: everything), "full" (nothing_saveable: recompute the block), "dots" (dots_saveable: keep
     matmul outputs), "moe" (save_only_these_names(jax_moe.DISPATCH_NAME, jax_moe.COMBINE_NAME): keep what dispatch
     and combine returned, recompute the rest). Dispatch and combine themselves run once whatever the policy.
+    scan_layers: run the blocks in training as one jax.lax.scan over their stacked parameters (MaxText's scan_layers:
+    one traced block, compile time independent of num_layers), remat'ed inside the scan as `remat` says.
     """
 
     vocab_size: int
@@ -36,6 +38,7 @@ class MoELMConfig:
     rope_base: float = 10000.0
     dtype: str = "float32"
     remat: str = "none"
+    scan_layers: bool = False
 
     def __post_init__(self) -> None:
         if self.remat not in REMAT_POLICIES:

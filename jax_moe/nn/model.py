@@ -119,6 +119,9 @@ class MoELM(nnx.Module):
         aux_total = jnp.float32(0.0)
         new_caches = [] if caches is not None else None
         policy = remat_policy(self.cfg.remat) if caches is None else None  # decoding keeps nothing for a backward
+        if caches is None and self.cfg.scan_layers:
+            x, aux_total = self._scan_blocks(x, pos, policy)
+            return self._head(x), aux_total / len(self.blocks), None
         for i, block in enumerate(self.blocks):
             if policy is not None:
                 x, aux = nnx.remat(lambda blk, h: blk(h, None, pos)[:2], policy=policy)(block, x)
@@ -128,10 +131,28 @@ class MoELM(nnx.Module):
             aux_total = aux_total + aux
             if new_caches is not None:
                 new_caches.append(c)
+        return self._head(x), aux_total / len(self.blocks), new_caches
+
+    def _head(self, x: jax.Array) -> jax.Array:
         x = self.final_norm(x)
         head = self.embed[...].T if self.head is None else self.head[...]
-        logits = jnp.einsum("bsh,hv->bsv", x, head).astype(jnp.float32)
-        return logits, aux_total / len(self.blocks), new_caches
+        return jnp.einsum("bsh,hv->bsv", x, head).astype(jnp.float32)
+
+    def _scan_blocks(self, x: jax.Array, pos: jax.Array, policy: Any) -> tuple[jax.Array, jax.Array]:
+        """The blocks as one lax.scan over their stacked states, each step (remat'ed with `policy`) one block: the
+        first block's structure with that layer's parameters. Every step runs the first block's MoE layer object, so
+        one Communicator serves the scanned layers, round after round, in order."""
+        graphdef, _ = nnx.split(self.blocks[0])
+        stacked = jax.tree.map(lambda *v: jnp.stack(v), *[nnx.state(b) for b in self.blocks])
+
+        def step(h: jax.Array, state: Any) -> tuple[jax.Array, jax.Array]:
+            h, aux, _ = nnx.merge(graphdef, state)(h, None, pos)
+            return h, aux
+
+        if policy is not None:
+            step = jax.checkpoint(step, policy=policy)
+        x, auxs = jax.lax.scan(step, x, stacked)
+        return x, jnp.sum(auxs)
 
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         logits, aux, _ = self._forward(tokens, None, jnp.int32(0))
