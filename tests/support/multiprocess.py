@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Sequence
 
@@ -22,8 +23,13 @@ def launch(script: str, argv_per_proc: Sequence[Sequence[str]], timeout_s: float
     here = os.path.dirname(os.path.abspath(__file__))
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     full_env.pop("XLA_FLAGS", None)
+    # In a directory of their own: what an aborted worker leaves in its working directory goes with it (libpsm2, which
+    # Debian's libfabric loads for its psm2 provider, writes <exe>.<...>,<host>.btr backtraces there when
+    # jax.distributed aborts a process whose peer died).
+    scratch = tempfile.TemporaryDirectory(prefix="jax_moe_workers_")
     procs = [subprocess.Popen([sys.executable, os.path.join(here, script), *map(str, argv)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=full_env) for argv in argv_per_proc]
+                              stderr=subprocess.STDOUT, text=True, env=full_env, cwd=scratch.name)
+             for argv in argv_per_proc]
     deadline = time.monotonic() + timeout_s
     outputs: list[str] = []
     try:
@@ -43,4 +49,5 @@ def launch(script: str, argv_per_proc: Sequence[Sequence[str]], timeout_s: float
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        scratch.cleanup()
     return outputs
