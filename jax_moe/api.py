@@ -38,10 +38,14 @@ def _per_rank(comm: "Communicator", x: jax.Array) -> jax.Array:
 # --- dispatch ---------------------------------------------------------------------------------------------------------
 def dispatch_send(comm: "Communicator", x: jax.Array, topk_idx: jax.Array, x_scale: Optional[jax.Array] = None,
                   topk_weights: Optional[jax.Array] = None) -> DispatchHandle:
-    """Start the dispatch of x [T, hidden] to the experts in topk_idx [T, R] (int32, -1 = masked).
+    """Start sending every token to the ranks of its experts; returns a handle for dispatch_recv.
 
-    topk_weights [T, R] (floating, optional): the router weights, sent along so that combine can sum a token's rows
-    on each expert rank; combine then needs no weights."""
+    Per rank, inside jax.shard_map over the Communicator's axis:
+      x [T, hidden] in dispatch_dtype (T <= max_tokens); x_scale [T, hidden // 128] float32 with fp8 dispatch
+      (jax_moe.quantize_fp8 makes both); topk_idx [T, R] int32, -1 = masked;
+      topk_weights [T, R] floating, optional: the router weights, sent along so that the expert ranks may sum a
+      token's rows before sending them back (combine then needs no weights).
+    Independent work placed between this and dispatch_recv overlaps the transfer."""
     return _dispatch_send(comm, x, topk_idx, x_scale, topk_weights, one_shot=False)[0]
 
 
@@ -49,28 +53,32 @@ def _dispatch_send(comm: "Communicator", x: jax.Array, topk_idx: jax.Array, x_sc
                    topk_weights: Optional[jax.Array], one_shot: bool) -> tuple[DispatchHandle, bool]:
     """(handle, deferred). one_shot (`dispatch`): the backend may defer the send, so that its receive runs both halves
     as one call (no gap between two custom calls); a deferred round is never open between two calls."""
-    validate.check_dispatch(comm, "dispatch_send", x, topk_idx, x_scale)
+    call = "dispatch" if one_shot else "dispatch_send"  # errors name the call the user made
+    validate.check_dispatch(comm, call, x, topk_idx, x_scale)
     if topk_weights is not None:
-        validate.check_weights(comm, "dispatch_send", topk_weights, topk_idx)
+        validate.check_weights(comm, call, topk_weights, topk_idx)
     scale = None if x_scale is None else jax.lax.stop_gradient(x_scale)
     weights = None if topk_weights is None else jax.lax.stop_gradient(topk_weights)
-    rounds.check_open(comm, "dispatch", "dispatch_send")
+    rounds.check_open(comm, "dispatch", call)
     args = (jax.lax.stop_gradient(x), scale, topk_idx)
     handle = comm.backend.defer_dispatch(*args, topk_weights=weights) if one_shot else None
     deferred = handle is not None
     if not deferred:
         handle = comm.backend.dispatch_send(*args, topk_weights=weights)
-        rounds.opened(comm, "dispatch", handle, "dispatch_send")
+        rounds.opened(comm, "dispatch", handle, call)
     return DispatchHandle(x, x_scale, topk_idx, handle, comm.id, topk_weights), deferred
 
 
 def dispatch_recv(comm: "Communicator", handle: DispatchHandle) -> Dispatched:
-    """Finish the dispatch started by dispatch_send."""
+    """Finish the dispatch started by dispatch_send: returns a Dispatched (expert_x [max_recv_rows, hidden] grouped by
+    local expert, then source rank, then token; expert_counts [L] rows per local expert; expert_x_scale with fp8).
+    Rows past sum(expert_counts) are unspecified: mask them (jax.lax.ragged_dot does, or d.valid_rows())."""
     return _dispatch_receive(comm, handle, deferred=False)
 
 
-def _dispatch_receive(comm: "Communicator", handle: DispatchHandle, deferred: bool) -> Dispatched:
-    validate.check_axis(comm, "dispatch_recv")
+def _dispatch_receive(comm: "Communicator", handle: DispatchHandle, deferred: bool,
+                      call: str = "dispatch_recv") -> Dispatched:
+    validate.check_axis(comm, call)
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"jax_moe.dispatch_recv: expected the handle from dispatch_send, got {type(handle).__name__}")
     validate.check_comm(comm, "dispatch_recv", handle._comm_id, "handle")
@@ -86,9 +94,10 @@ def _dispatch_receive(comm: "Communicator", handle: DispatchHandle, deferred: bo
 
 def dispatch(comm: "Communicator", x: jax.Array, topk_idx: jax.Array, x_scale: Optional[jax.Array] = None,
              topk_weights: Optional[jax.Array] = None) -> Dispatched:
-    """Send every token to its experts' ranks: see Dispatched for the layout (topk_weights: see dispatch_send)."""
+    """dispatch_send then dispatch_recv in one call (one custom call on the native backends): every token to the
+    ranks of its experts. Arguments as dispatch_send, result as dispatch_recv."""
     handle, deferred = _dispatch_send(comm, x, topk_idx, x_scale, topk_weights, one_shot=True)
-    return _dispatch_receive(comm, handle, deferred)
+    return _dispatch_receive(comm, handle, deferred, "dispatch")
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -117,8 +126,11 @@ _dispatch_recv.defvjp(_dispatch_recv_fwd, _dispatch_recv_bwd)
 
 # --- combine ----------------------------------------------------------------------------------------------------------
 def combine_send(comm: "Communicator", expert_y: jax.Array, d: Dispatched) -> CombineHandle:
-    """Start returning expert outputs (layout of d.expert_x, combine_dtype) to the tokens' owners. If dispatch was
-    given topk_weights, the expert ranks may sum a token's rows with them: combine_recv then uses those weights."""
+    """Start returning expert outputs to the tokens' owners; returns a handle for combine_recv.
+
+    expert_y [max_recv_rows, hidden] in combine_dtype, rows in d.expert_x's layout (the padding rows are ignored);
+    d: the Dispatched of this round. If dispatch was given topk_weights, the expert ranks may sum a token's rows with
+    them: combine_recv then uses those weights."""
     return _combine_send(comm, expert_y, d, reduced=_dispatched_weights(d) is not None, one_shot=False)[0]
 
 
@@ -132,36 +144,39 @@ def _combine_send(comm: "Communicator", expert_y: jax.Array, d: Dispatched, redu
     """(handle, deferred). reduced: the expert ranks may sum a token's rows with d's weights (False: one row per
     (token, k), the weights come to the receive). one_shot: the backend may defer the send to the receive, as
     _dispatch_send."""
-    validate.check_expert_y(comm, "combine_send", expert_y, d)
-    rounds.check_open(comm, "combine", "combine_send")
+    call = "combine" if one_shot else "combine_send"  # errors name the call the user made
+    validate.check_expert_y(comm, call, expert_y, d)
+    rounds.check_open(comm, "combine", call)
     args = (jax.lax.stop_gradient(expert_y), d._route, d._topk_idx)
     handle = comm.backend.defer_combine(*args, reduced=reduced) if one_shot else None
     deferred = handle is not None
     if not deferred:
         handle = comm.backend.combine_send(*args, reduced=reduced)
-        rounds.opened(comm, "combine", handle, "combine_send")
+        rounds.opened(comm, "combine", handle, call)
     return CombineHandle(expert_y, d, handle, comm.id, reduced), deferred
 
 
 def combine_recv(comm: "Communicator", handle: CombineHandle,
                  topk_weights: Optional[jax.Array] = None) -> jax.Array:
-    """Finish the combine: out[t] = sum_k w[t, k] * y[row of (t, k)] over unmasked k, float32 sum, combine_dtype.
+    """Finish the combine: returns out [T, hidden] in combine_dtype, out[t] = sum_k w[t, k] * y[row of (t, k)] over
+    the unmasked k, summed in float32.
 
-    w: the topk_weights given to dispatch if it had any (then pass None here, or those same weights), else these."""
+    topk_weights [T, R]: None to use the weights given to dispatch (or pass those same weights), else the weights to
+    apply here (required when dispatch had none)."""
     return _combine_receive(comm, handle, topk_weights, deferred=False)
 
 
 def _combine_receive(comm: "Communicator", handle: CombineHandle, topk_weights: Optional[jax.Array],
-                     deferred: bool) -> jax.Array:
-    validate.check_axis(comm, "combine_recv")
+                     deferred: bool, call: str = "combine_recv") -> jax.Array:
+    validate.check_axis(comm, call)
     if not isinstance(handle, CombineHandle):
         raise TypeError(f"jax_moe.combine_recv: expected the handle from combine_send, got {type(handle).__name__}")
     validate.check_comm(comm, "combine_recv", handle._comm_id, "handle")
     d = handle._dispatched
-    validate.check_recv_weights("combine_recv", topk_weights, d, handle._reduced)
+    validate.check_recv_weights(call, topk_weights, d, handle._reduced)
     # d's weights when reduced: the user's array, so that gradients reach what was given to dispatch.
     w = d._topk_weights if handle._reduced else topk_weights
-    validate.check_weights(comm, "combine_recv", w, d._topk_idx)
+    validate.check_weights(comm, call, w, d._topk_idx)
     if not deferred:
         rounds.closed(comm, "combine", handle._handle, "combine_recv")
     return checkpoint_name(_combine_recv(comm, handle._expert_y, w, d._topk_idx, d._route, handle._handle),
@@ -170,9 +185,11 @@ def _combine_receive(comm: "Communicator", handle: CombineHandle, topk_weights: 
 
 def combine(comm: "Communicator", expert_y: jax.Array, topk_weights: Optional[jax.Array] = None,
             d: Optional[Dispatched] = None) -> jax.Array:
-    """Bring expert outputs back and sum them per token: [T, hidden] in combine_dtype. The weights: those given to
-    dispatch (pass topk_weights=None), else topk_weights. Weights other than dispatch's are applied per (token, k)
-    at the owner: correct, without the expert ranks' partial sums."""
+    """combine_send then combine_recv in one call: bring expert outputs back and sum them per token.
+
+    expert_y as combine_send; topk_weights: None to use those given to dispatch, else the weights to apply (other
+    weights than dispatch's are applied per (token, k) at the owner: correct, without the expert ranks' partial
+    sums); d: the Dispatched of this round (required). Returns [T, hidden] in combine_dtype."""
     if d is None:
         raise TypeError("jax_moe.combine: d (the Dispatched returned by dispatch) is required")
     dispatched = _dispatched_weights(d)
@@ -181,7 +198,7 @@ def combine(comm: "Communicator", expert_y: jax.Array, topk_weights: Optional[ja
     if isinstance(d, Dispatched):  # (anything else is refused by the send's checks, with its own message)
         validate.check_recv_weights("combine", topk_weights, d, reduced)
     handle, deferred = _combine_send(comm, expert_y, d, reduced=reduced, one_shot=True)
-    return _combine_receive(comm, handle, topk_weights, deferred)
+    return _combine_receive(comm, handle, topk_weights, deferred, "combine")
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))

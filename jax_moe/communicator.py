@@ -31,6 +31,14 @@ def _env_timeout() -> float:
     return value
 
 
+def _documented_by(fn: Any) -> Any:
+    """Gives a Communicator method the docstring of the module function it calls."""
+    def document(method: Any) -> Any:
+        method.__doc__ = fn.__doc__
+        return method
+    return document
+
+
 def _env_provider() -> str:
     raw = os.environ.get("JAX_MOE_FABRIC_PROVIDER", "auto")
     if raw not in FABRIC_PROVIDERS:
@@ -157,24 +165,30 @@ class Communicator:
         return (f"Communicator({self.cfg.describe()}, axis={self.axis_name!r}, ranks={self.num_ranks}, "
                 f"backend={self.backend_name!r}, max_recv_rows={self.max_recv_rows})")
 
-    # --- the API, as methods ---------------------------------------------------------------------------------------
+    # --- the API, as methods (each has its module function's docstring: help(comm.dispatch)) ---------------------
+    @_documented_by(api.dispatch)
     def dispatch(self, x: jax.Array, topk_idx: jax.Array, x_scale: Optional[jax.Array] = None,
                  topk_weights: Optional[jax.Array] = None) -> Dispatched:
         return api.dispatch(self, x, topk_idx, x_scale, topk_weights)
 
+    @_documented_by(api.combine)
     def combine(self, expert_y: jax.Array, topk_weights: Optional[jax.Array] = None,
                 d: Optional[Dispatched] = None) -> jax.Array:
         return api.combine(self, expert_y, topk_weights, d)
 
+    @_documented_by(api.dispatch_send)
     def dispatch_send(self, x: jax.Array, topk_idx: jax.Array, x_scale: Optional[jax.Array] = None,
                       topk_weights: Optional[jax.Array] = None) -> DispatchHandle:
         return api.dispatch_send(self, x, topk_idx, x_scale, topk_weights)
 
+    @_documented_by(api.dispatch_recv)
     def dispatch_recv(self, handle: DispatchHandle) -> Dispatched:
         return api.dispatch_recv(self, handle)
 
+    @_documented_by(api.combine_send)
     def combine_send(self, expert_y: jax.Array, d: Dispatched) -> CombineHandle:
         return api.combine_send(self, expert_y, d)
 
+    @_documented_by(api.combine_recv)
     def combine_recv(self, handle: CombineHandle, topk_weights: Optional[jax.Array] = None) -> jax.Array:
         return api.combine_recv(self, handle, topk_weights)

@@ -122,7 +122,7 @@ def test_wrong_axis_size(comm):
     (x_of(), idx_of(dtype=np.float32), "topk_idx has dtype float32, expected int32", TypeError),
 ])
 def test_bad_dispatch_input(comm, x, idx, match, err):
-    with pytest.raises(err, match=match):
+    with pytest.raises(err, match="jax_moe.dispatch: " + match):  # the call the user made, not its send half
         dispatch_with(comm, x, idx)
 
 
@@ -166,10 +166,10 @@ def w_of(t=T, r=R, dtype=np.float32):
 
 
 @pytest.mark.parametrize("w, match, err", [
-    (w_of(r=3), "dispatch_send: topk_weights has shape \\[4, 3\\], expected \\[4, 2\\]", ValueError),
-    (w_of(t=T - 1), "dispatch_send: topk_weights has shape \\[3, 2\\], expected \\[4, 2\\]", ValueError),
-    (np.ones((N * T,), np.float32), "dispatch_send: topk_weights has shape \\[4\\], expected \\[4, 2\\]", ValueError),
-    (w_of(dtype=np.int32), "dispatch_send: topk_weights has dtype int32, expected a floating dtype", TypeError),
+    (w_of(r=3), "jax_moe.dispatch: topk_weights has shape \\[4, 3\\], expected \\[4, 2\\]", ValueError),
+    (w_of(t=T - 1), "jax_moe.dispatch: topk_weights has shape \\[3, 2\\], expected \\[4, 2\\]", ValueError),
+    (np.ones((N * T,), np.float32), "jax_moe.dispatch: topk_weights has shape \\[4\\], expected \\[4, 2\\]", ValueError),
+    (w_of(dtype=np.int32), "jax_moe.dispatch: topk_weights has dtype int32, expected a floating dtype", TypeError),
 ])
 def test_bad_dispatch_weights(comm, w, match, err):
     """Weights given to dispatch are checked like combine's."""

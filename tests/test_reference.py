@@ -182,9 +182,13 @@ def test_out_of_range_id_is_an_error(rng, backend, bad):
     idx = random_routing(rng, n, t, r, e, mask=0.0)
     idx[t + 1, 1] = bad  # rank 1, token 1
     w = rng.random((n * t, r)).astype(np.float32)
+    messages = []
     for _ in range(2):
-        with pytest.raises(jax.errors.JaxRuntimeError, match=rf"INVALID_ARGUMENT.*rank 1 .*expert id {bad}"):
+        with pytest.raises(jax.errors.JaxRuntimeError, match=rf"INVALID_ARGUMENT.*rank 1 .*expert id {bad}") as err:
             jax.block_until_ready(roundtrip(comm, x, idx, w))
+        messages.append(str(err.value))
+    # The later call says what to do: the Communicator is done.
+    assert "build a new Communicator" in messages[1], messages[1][-1000:]
 
 
 def test_tuple_axis_name(rng):

@@ -26,7 +26,10 @@ void Proxy::Start(std::vector<Channel*> channels) {
 
 void Proxy::CheckHealthy() const {
   std::lock_guard<std::mutex> lock(failure_mu_);
-  if (!failure_.empty()) Throw(failure_code_, "this Communicator failed earlier: " + failure_);
+  if (!failure_.empty()) {
+    Throw(failure_code_, "this Communicator failed earlier (" + failure_ +
+                             "); its rounds cannot resume: build a new Communicator (every process, as for the first)");
+  }
 }
 
 void Proxy::Fail(const std::string& message, ErrorCode code) {
