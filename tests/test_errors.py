@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_moe
 from support.helpers import mesh_of, run
@@ -233,3 +235,17 @@ def test_handles_are_checked(comm):
 
     with pytest.raises(ValueError, match="this Dispatched was not made by dispatch"):
         run(comm, combine_hand_built, x_of(), idx_of())
+
+
+def test_vmap_over_a_native_backend_says_what_to_do():
+    """jax.vmap of dispatch on a native backend is refused at trace time with the way out (fold the batch into the
+    tokens), not JAX's bare "Batching rule ... not implemented"."""
+    mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices("cpu")[:2])
+    comm = jax_moe.Communicator(jax_moe.MoEConfig(E, R, H, T), mesh, "ep", backend="cpu")
+    sh = NamedSharding(mesh, P(None, "ep"))
+    body = jax.shard_map(lambda x, idx: jax.vmap(lambda a, b: comm.dispatch(a, b).expert_x)(x, idx), mesh=mesh,
+                         in_specs=(P(None, "ep"), P(None, "ep")), out_specs=P(None, "ep"))
+    x = jax.device_put(jnp.zeros((3, 2 * T, H), jnp.bfloat16), sh)
+    idx = jax.device_put(jnp.zeros((3, 2 * T, R), jnp.int32), sh)
+    with pytest.raises(NotImplementedError, match="jax.vmap over dispatch/combine .* Fold the batch axis into the tokens"):
+        jax.jit(body).lower(x, idx)

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax._src import core, dispatch, effects  # private: the only way to declare an ordered effect for a primitive
 from jax._src import ffi as _jax_ffi
-from jax._src.interpreters import mlir
+from jax._src.interpreters import batching, mlir
 from jax._src.lib.mlir.dialects import hlo
 
 from jax_moe.contract import varying, vma
@@ -129,6 +129,18 @@ def _drain_runtime_tokens() -> None:
 _keep_no_runtime_token()
 atexit.register(_drain_runtime_tokens)
 _call_p.def_effectful_abstract_eval(_abstract_eval)
+
+
+def _refuse_vmap(args, dims, *, target: str, result_avals: tuple, attrs: tuple):
+    # A batch of rounds would need a buffer per batch element and every rank to agree on the batch size: refused at
+    # trace time with what to do instead.
+    raise NotImplementedError(
+        f"jax_moe: jax.vmap over dispatch/combine is not supported by the native backends ({target}). Fold the batch "
+        "axis into the tokens instead (x.reshape(-1, hidden), topk_idx.reshape(-1, R), with max_tokens covering "
+        "them), or loop over the batch with lax.scan / lax.map; backend \"xla\" is pure JAX and vmaps.")
+
+
+batching.primitive_batchers[_call_p] = _refuse_vmap
 dispatch.simple_impl(_call_p)
 mlir.register_lowering(_call_p, _lowering_cpu, platform="cpu")
 mlir.register_lowering(_call_p, _lowering_gpu, platform="cuda")
