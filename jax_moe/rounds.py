@@ -7,9 +7,10 @@ more would wait for a receive that comes later in the same order; it is refused 
 send is bound, with an error that says what to do. A handle received twice in one traced function is refused too (it
 would hand out the same round twice and put every later round out of step).
 
-Counting is per traced function (the JAX trace the halves are called in). A handle that enters a nested trace (a
-loop carry, a cond operand, a nested jit) arrives there as another tracer: its receive then closes the oldest open
-round of that Communicator and direction, wherever it was opened. What tracing cannot see (handles kept across
+Rounds are recorded per traced function (the JAX trace the halves are called in) and counted over it and the traces
+it is nested in (a nested jit, a cond branch, a loop body opens its rounds while the enclosing ones are open). A
+handle that enters a nested trace (a loop carry, a cond operand, a nested jit) arrives there as another tracer: its
+receive then closes the oldest open round of that Communicator and direction, wherever it was opened. What tracing cannot see (handles kept across
 programs) the native backends check when they run.
 """
 from __future__ import annotations
@@ -42,18 +43,34 @@ def _key(handle: Any) -> Optional[Any]:
     return leaves[0] if leaves and isinstance(leaves[0], core.Tracer) else None
 
 
+def _traces_here() -> list[Any]:
+    """The current trace and the traces it is nested in (a jit, cond, scan or shard_map body inside another)."""
+    out, trace = [], _trace()
+    while trace is not None and len(out) < 1000:
+        out.append(trace)
+        trace = getattr(trace, "parent_trace", None)
+    return out
+
+
 def check_open(comm: "Communicator", direction: str, op: str) -> None:
     """Before a send half of `direction` ("dispatch" or "combine") is bound: refuses it if the backend's buffers for
-    that direction are all held by rounds this traced function opened and has not received."""
+    that direction are all held by rounds open here: opened in this traced function or in the ones it is nested in
+    (a nested jit, a cond branch, a loop body runs while its enclosing function's rounds are open) and not received."""
     limit = comm.backend.rounds_in_flight
-    table = _open.get(_trace(), {}).get((comm.id, direction), {})
-    if limit is None or len(table) < limit:
+    if limit is None:
         return
+    tables = [_open.get(t, {}).get((comm.id, direction), {}) for t in _traces_here()]
+    held = [what for table in tables for _, what in table.values()]
+    if len(held) < limit:
+        return
+    nested = sum(1 for table in tables[1:] if table) > 0
+    where = (" here and in the functions this one is nested in (an enclosing jit, or the program around a cond "
+             "branch or loop body)") if nested else " here"
     raise RuntimeError(
-        f"jax_moe.{op}: {len(table)} {direction} round(s) of this Communicator are already open here (sent, not yet "
-        f"received: {', '.join(what for _, what in table.values())}); backend {comm.backend_name!r} holds {limit} at "
-        f"a time, and its calls run in program order, so this send would wait for a receive that comes after it. "
-        f"Call {direction}_recv on the earlier handle first, or use another Communicator for this round.")
+        f"jax_moe.{op}: {len(held)} {direction} round(s) of this Communicator are already open{where} (sent, not yet "
+        f"received: {', '.join(held)}); backend {comm.backend_name!r} holds {limit} at a time, and its calls run in "
+        f"program order, so this send would wait for a receive that comes after it. Call {direction}_recv on an "
+        f"earlier handle first, or use another Communicator for this round.")
 
 
 def opened(comm: "Communicator", direction: str, handle: Any, op: str) -> None:

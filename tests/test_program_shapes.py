@@ -62,11 +62,44 @@ def test_more_open_rounds_than_buffers_are_refused_at_trace_time(rng, backend):
     if limit is None:
         assert np.isfinite(np.asarray(sends_then_receives(comm, 6)(x, i))).all()
         return
-    with pytest.raises(RuntimeError, match=f"holds {limit} at a time.*dispatch_recv on the earlier handle"):
+    with pytest.raises(RuntimeError, match=f"holds {limit} at a time.*dispatch_recv on an earlier handle"):
         sends_then_receives(comm, limit + 1).lower(x, i)
     # up to the limit it runs, and the Communicator is still good afterwards
     want = float(np.asarray(sends_then_receives(comm, 1)(x, i)).sum())
     assert float(np.asarray(sends_then_receives(comm, limit)(x, i)).sum()) == pytest.approx(limit * want)
+
+
+@pytest.mark.parametrize("backend", NATIVE)
+@pytest.mark.parametrize("nest", ["jit", "cond"])
+def test_rounds_opened_in_a_nested_trace_count_with_the_enclosing_ones(rng, backend, nest):
+    """Rounds open in the enclosing function hold buffers while a nested jit or a cond branch runs: opening more
+    there is refused at trace time with that cause (not at run time, which would end the Communicator), and up to the
+    limit the same program runs."""
+    comm = make(backend, ranks_for(backend, 2))
+    limit = comm.backend.rounds_in_flight
+    n, t = comm.num_ranks, comm.cfg.max_tokens
+    x, i = shard(comm.mesh, rng.standard_normal((n * t, 128)).astype(jnp.bfloat16),
+                 np.zeros((n * t, 2), np.int32))
+
+    def program(outer: int, inner: int):
+        def body(x, i):
+            handles = [comm.dispatch_send(x, i) for _ in range(outer)]
+            if nest == "jit":  # the nested function opens rounds and returns their handles
+                handles += list(jax.jit(lambda x, i: tuple(comm.dispatch_send(x, i) for _ in range(inner)))(x, i))
+                total = sum(comm.dispatch_recv(h).expert_x.astype(jnp.float32).sum() for h in handles)
+            else:  # both branches open and receive one round (every rank must run the same rounds)
+                one = jax.lax.cond(x[0, 0] > 0, lambda: comm.dispatch(x, i).expert_x.astype(jnp.float32).sum(),
+                                   lambda: -comm.dispatch(x, i).expert_x.astype(jnp.float32).sum())
+                total = one + sum(comm.dispatch_recv(h).expert_x.astype(jnp.float32).sum() for h in handles)
+            return jnp.asarray(total)[None]
+
+        return jax.jit(jax.shard_map(body, mesh=comm.mesh, in_specs=(P("ep"),) * 2, out_specs=P("ep")))
+
+    outer, inner = (limit - 1, 2) if nest == "jit" else (limit, 1)
+    with pytest.raises(RuntimeError, match=f"already open here and in the functions this one is nested in.*holds "
+                                           f"{limit} at a time"):
+        program(outer, inner).lower(x, i)
+    assert np.isfinite(np.asarray(program(limit - 1, 1)(x, i))).all()  # within the limit it runs
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
