@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import re
 import sys
 
 import jax
@@ -39,26 +38,9 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
-_SHM_REGION = re.compile(r"^(\d+)_[0-9a-f]{16}:\d+$")  # a TransferEngine shm endpoint (src/fabric/ofi/ofi_backend.cc)
-
-
 def pytest_sessionfinish(session, exitstatus):
     """Worker processes that end without closing their engines (SIGKILLed victims, os._exit) leave 16 MB shm regions
     in /dev/shm; remove those of our engines whose process is gone, so repeated runs do not fill the tmpfs."""
-    try:
-        names = os.listdir("/dev/shm")
-    except OSError:
-        return
-    for name in names:
-        m = _SHM_REGION.match(name)
-        if not m:
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-            except OSError:
-                pass
-        except PermissionError:  # another user's live process
-            pass
+    from jax_moe.shm_regions import remove_stale
+
+    remove_stale()

@@ -40,3 +40,22 @@ def test_no_shm_region_outlives_its_communicators():
         assert rep["after_delete"] == [], f"process {rep['pid']} kept its regions after its Communicator: {rep}"
         assert len(rep["with_kept"]) == DEVICES_PER_PROC, rep
     assert left == {rep["pid"]: [] for rep in reports}, f"regions left after the processes exited: {left}"
+
+
+def test_regions_of_dead_processes_are_removed_and_no_others(tmp_path):
+    """A SIGKILLed process cannot close its shm endpoints: the next native backend removes the regions whose process
+    is gone (names "<pid>_<16 hex>:<n>"), never a live process's region nor anything else."""
+    import subprocess
+    import sys
+
+    from jax_moe.shm_regions import remove_stale
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()  # a pid that has exited
+    names = {f"{dead}_0123456789abcdef:0": False, f"{dead}_fedcba9876543210:3": False,
+             f"{os.getpid()}_0123456789abcdef:0": True, f"{dead}_notours": True, "other": True}
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    removed = remove_stale(str(tmp_path))
+    assert sorted(removed) == sorted(n for n, keep in names.items() if not keep)
+    assert sorted(os.listdir(tmp_path)) == sorted(n for n, keep in names.items() if keep)
