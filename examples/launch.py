@@ -53,17 +53,41 @@ def start(command: list[str], i: int, n: int, port: int, gpu: bool) -> subproces
         argv += ["--local-device-ids", str(i)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # Own session = own process group: killing it also ends whatever the child started.
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    # Binary: the relay splits lines itself, keeping tqdm's carriage returns apart from its newlines.
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def relay(stream: IO[str], prefix: str, lock: threading.Lock) -> None:
-    """Copy a child's lines to our stdout, prefixed (text mode turns tqdm's carriage returns into lines)."""
-    for line in stream:
-        if not line.strip():  # tqdm's clearing of its bar
-            continue
+def relay(stream: IO[bytes], prefix: str, lock: threading.Lock) -> None:
+    """Copy a child's output to our stdout, line by line, prefixed. A progress bar (tqdm redraws its line after each
+    carriage return) stays one line: redrawn in place on a terminal; elsewhere only its last state is printed, once
+    its line ends."""
+    live = sys.stdout.isatty()
+    bar = ""  # the latest redraw of a bar whose line has not ended
+    pending = b""
+    while chunk := stream.read1(65536) if hasattr(stream, "read1") else stream.read(1):
+        pending += chunk
+        while True:
+            cut = min((i for i in (pending.find(b"\r"), pending.find(b"\n")) if i >= 0), default=-1)
+            if cut < 0:
+                break
+            text, end, pending = pending[:cut].decode(errors="replace"), pending[cut:cut + 1], pending[cut + 1:]
+            with lock:
+                if end == b"\r":
+                    if text.strip():
+                        bar = text
+                        if live:
+                            sys.stdout.write(f"\r{prefix} {bar}\x1b[K")
+                elif text.strip():  # a line (a bar's last redraw ends this way too): it replaces the bar
+                    sys.stdout.write(f"{chr(13) if live and bar else ''}{prefix} {text.rstrip()}"
+                                     f"{chr(27) + '[K' if live and bar else ''}\n")
+                    bar = ""
+                elif bar:  # the bar's line ends: keep its last state
+                    sys.stdout.write("\n" if live else f"{prefix} {bar}\n")
+                    bar = ""
+                sys.stdout.flush()
+    if bar and not live:
         with lock:
-            sys.stdout.write(f"{prefix} {line.rstrip()}\n")
+            sys.stdout.write(f"{prefix} {bar}\n")
             sys.stdout.flush()
 
 

@@ -87,3 +87,20 @@ def test_two_processes_train_then_decode(tmp_path) -> None:
     assert "[0] --- prompt 'def '" in text and "[0] --- prompt 'x = '" in text, text[-3000:]
     assert "[0] 2 prompts (batch 4 over EP=4, jax_moe backend 'cpu')" in text, text[-3000:]
     assert "[1] process 1/2 done" in text and "[1] --- prompt" not in text, text[-3000:]
+
+
+def test_launch_shows_a_progress_bar_as_one_line(tmp_path) -> None:
+    """examples/launch.py relays a child's tqdm bar (redrawn after carriage returns) as one line when its output is
+    not a terminal, however often it refreshed, with the log lines tqdm.write printed around it."""
+    child = tmp_path / "bar.py"
+    child.write_text("import time\nfrom tqdm import tqdm\nfor i in tqdm(range(40), mininterval=0, desc='train'):\n"
+                     "    time.sleep(0.002)\n    if i == 20:\n        tqdm.write('step 20 logged')\nprint('done')\n")
+    code = ("import subprocess, sys, threading\nsys.path.insert(0, sys.argv[1])\nimport launch\n"
+            "p = subprocess.Popen([sys.executable, sys.argv[2]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)\n"
+            "launch.relay(p.stdout, '[0]', threading.Lock())\np.wait()\n")
+    out = subprocess.run([sys.executable, "-c", code, EXAMPLES, str(child)], capture_output=True, text=True,
+                         timeout=60).stdout
+    lines = out.splitlines()
+    assert [ln for ln in lines if "train:" in ln] == [ln for ln in lines if "40/40" in ln], out
+    assert len([ln for ln in lines if "train:" in ln]) == 1, out
+    assert lines[0] == "[0] step 20 logged" and lines[-1] == "[0] done", out
