@@ -20,6 +20,16 @@ NATIVE = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 E, R, HIDDEN, T = 8, 3, 64, 6
 
 
+def _ranks(backend: str) -> int:
+    """2 ranks; "cuda" on as many GPUs as there are, up to 2 (one GPU: EP1, the same program)."""
+    if backend != "cuda":
+        return 2
+    try:
+        return max(1, min(2, len(jax.devices("gpu"))))
+    except RuntimeError:
+        return 2  # no GPU: backend_mesh skips
+
+
 def _setup(backend: str, n: int, rng, layers: int):
     comm = jax_moe.Communicator(jax_moe.MoEConfig(E, R, HIDDEN, T), backend_mesh(backend, n), "ep", backend=backend)
     problem = remat_problem(rng, n, T, R, E, HIDDEN, layers)
@@ -33,7 +43,7 @@ def _setup(backend: str, n: int, rng, layers: int):
 @pytest.mark.parametrize("layers", [1, 3], ids=["one-layer", "scan-3"])
 @pytest.mark.parametrize("variant", [v for v in POLICIES if v != "plain"])
 def test_checkpointed_layers_match_xla_and_send_nothing_again(rng, backend, layers, variant):
-    n = 2
+    n = _ranks(backend)
     comm, problem, args = _setup(backend, n, rng, layers)
     ref = jax_moe.Communicator(comm.cfg, backend_mesh("xla", n), "ep", backend="xla")
     ref_args = [jax.device_put(np.asarray(v), NamedSharding(ref.mesh, a.sharding.spec)) for v, a in zip(problem, args)]
@@ -51,7 +61,7 @@ def test_checkpointed_layers_match_xla_and_send_nothing_again(rng, backend, laye
 @pytest.mark.parametrize("variant", ["plain", "nothing_saveable"])
 def test_split_halves_under_remat(rng, backend, variant):
     """dispatch_send / dispatch_recv and combine_send / combine_recv inside one checkpointed layer."""
-    comm, problem, args = _setup(backend, 2, rng, 1)
+    comm, problem, args = _setup(backend, _ranks(backend), rng, 1)
     check_against(remat_grad_fn(comm, variant, 1, split=True)(*args), dense_grads(problem, E), f"{backend} split")
 
 
