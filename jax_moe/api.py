@@ -12,7 +12,7 @@ weights as its differentiable input (the user's array, through the handles), so 
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -21,22 +21,21 @@ from jax.ad_checkpoint import checkpoint_name
 from jax_moe import rounds, validate
 from jax_moe.contract import valid_entries, varying
 from jax_moe.types import CombineHandle, Dispatched, DispatchHandle
+from jax_moe.backends.base import CommView
 
-if TYPE_CHECKING:
-    from jax_moe.communicator import Communicator
 
 # The checkpoint names of what dispatch and combine return (jax.checkpoint_policies.save_only_these_names).
 DISPATCH_NAME = "jax_moe.dispatch"
 COMBINE_NAME = "jax_moe.combine"
 
 
-def _per_rank(comm: "Communicator", x: jax.Array) -> jax.Array:
+def _per_rank(comm: CommView, x: jax.Array) -> jax.Array:
     """Cotangents of per-rank inputs must vary over the Communicator's axes, like the inputs themselves."""
     return varying(x, frozenset(comm.axes))
 
 
 # --- dispatch ---------------------------------------------------------------------------------------------------------
-def dispatch_send(comm: "Communicator", x: jax.Array, topk_idx: jax.Array, x_scale: Optional[jax.Array] = None,
+def dispatch_send(comm: CommView, x: jax.Array, topk_idx: jax.Array, x_scale: Optional[jax.Array] = None,
                   topk_weights: Optional[jax.Array] = None) -> DispatchHandle:
     """Start sending every token to the ranks of its experts; returns a handle for dispatch_recv.
 
@@ -49,7 +48,7 @@ def dispatch_send(comm: "Communicator", x: jax.Array, topk_idx: jax.Array, x_sca
     return _dispatch_send(comm, x, topk_idx, x_scale, topk_weights, one_shot=False)[0]
 
 
-def _dispatch_send(comm: "Communicator", x: jax.Array, topk_idx: jax.Array, x_scale: Optional[jax.Array],
+def _dispatch_send(comm: CommView, x: jax.Array, topk_idx: jax.Array, x_scale: Optional[jax.Array],
                    topk_weights: Optional[jax.Array], one_shot: bool) -> tuple[DispatchHandle, bool]:
     """(handle, deferred). one_shot (`dispatch`): the backend may defer the send, so that its receive runs both halves
     as one call (no gap between two custom calls); a deferred round is never open between two calls."""
@@ -69,14 +68,14 @@ def _dispatch_send(comm: "Communicator", x: jax.Array, topk_idx: jax.Array, x_sc
     return DispatchHandle(x, x_scale, topk_idx, handle, comm.id, topk_weights), deferred
 
 
-def dispatch_recv(comm: "Communicator", handle: DispatchHandle) -> Dispatched:
+def dispatch_recv(comm: CommView, handle: DispatchHandle) -> Dispatched:
     """Finish the dispatch started by dispatch_send: returns a Dispatched (expert_x [max_recv_rows, hidden] grouped by
     local expert, then source rank, then token; expert_counts [L] rows per local expert; expert_x_scale with fp8).
     Rows past sum(expert_counts) are unspecified: mask them (jax.lax.ragged_dot does, or d.valid_rows())."""
     return _dispatch_receive(comm, handle, deferred=False)
 
 
-def _dispatch_receive(comm: "Communicator", handle: DispatchHandle, deferred: bool,
+def _dispatch_receive(comm: CommView, handle: DispatchHandle, deferred: bool,
                       call: str = "dispatch_recv") -> Dispatched:
     validate.check_axis(comm, call)
     if not isinstance(handle, DispatchHandle):
@@ -92,7 +91,7 @@ def _dispatch_receive(comm: "Communicator", handle: DispatchHandle, deferred: bo
     return Dispatched(expert_x, expert_x_scale, counts, handle._topk_idx, route, comm.id, handle._topk_weights)
 
 
-def dispatch(comm: "Communicator", x: jax.Array, topk_idx: jax.Array, x_scale: Optional[jax.Array] = None,
+def dispatch(comm: CommView, x: jax.Array, topk_idx: jax.Array, x_scale: Optional[jax.Array] = None,
              topk_weights: Optional[jax.Array] = None) -> Dispatched:
     """dispatch_send then dispatch_recv in one call (one custom call on the native backends): every token to the
     ranks of its experts. Arguments as dispatch_send, result as dispatch_recv."""
@@ -125,7 +124,7 @@ _dispatch_recv.defvjp(_dispatch_recv_fwd, _dispatch_recv_bwd)
 
 
 # --- combine ----------------------------------------------------------------------------------------------------------
-def combine_send(comm: "Communicator", expert_y: jax.Array, d: Dispatched) -> CombineHandle:
+def combine_send(comm: CommView, expert_y: jax.Array, d: Dispatched) -> CombineHandle:
     """Start returning expert outputs to the tokens' owners; returns a handle for combine_recv.
 
     expert_y [max_recv_rows, hidden] in combine_dtype, rows in d.expert_x's layout (the padding rows are ignored);
@@ -139,7 +138,7 @@ def _dispatched_weights(d: Any) -> Optional[jax.Array]:
     return getattr(d, "_topk_weights", None)
 
 
-def _combine_send(comm: "Communicator", expert_y: jax.Array, d: Dispatched, reduced: bool,
+def _combine_send(comm: CommView, expert_y: jax.Array, d: Dispatched, reduced: bool,
                   one_shot: bool) -> tuple[CombineHandle, bool]:
     """(handle, deferred). reduced: the expert ranks may sum a token's rows with d's weights (False: one row per
     (token, k), the weights come to the receive). one_shot: the backend may defer the send to the receive, as
@@ -156,7 +155,7 @@ def _combine_send(comm: "Communicator", expert_y: jax.Array, d: Dispatched, redu
     return CombineHandle(expert_y, d, handle, comm.id, reduced), deferred
 
 
-def combine_recv(comm: "Communicator", handle: CombineHandle,
+def combine_recv(comm: CommView, handle: CombineHandle,
                  topk_weights: Optional[jax.Array] = None) -> jax.Array:
     """Finish the combine: returns out [T, hidden] in combine_dtype, out[t] = sum_k w[t, k] * y[row of (t, k)] over
     the unmasked k, summed in float32.
@@ -166,7 +165,7 @@ def combine_recv(comm: "Communicator", handle: CombineHandle,
     return _combine_receive(comm, handle, topk_weights, deferred=False)
 
 
-def _combine_receive(comm: "Communicator", handle: CombineHandle, topk_weights: Optional[jax.Array],
+def _combine_receive(comm: CommView, handle: CombineHandle, topk_weights: Optional[jax.Array],
                      deferred: bool, call: str = "combine_recv") -> jax.Array:
     validate.check_axis(comm, call)
     if not isinstance(handle, CombineHandle):
@@ -183,7 +182,7 @@ def _combine_receive(comm: "Communicator", handle: CombineHandle, topk_weights: 
                            COMBINE_NAME)
 
 
-def combine(comm: "Communicator", expert_y: jax.Array, topk_weights: Optional[jax.Array] = None,
+def combine(comm: CommView, expert_y: jax.Array, topk_weights: Optional[jax.Array] = None,
             d: Optional[Dispatched] = None) -> jax.Array:
     """combine_send then combine_recv in one call: bring expert outputs back and sum them per token.
 

@@ -16,13 +16,12 @@ programs) the native backends check when they run.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import jax
 from jax._src import core  # private: the current trace, to count per traced function
+from jax_moe.backends.base import CommView
 
-if TYPE_CHECKING:
-    from jax_moe.communicator import Communicator
 
 # trace -> {(comm id, direction): {id(handle key): (weak ref to the key, what opened it)}}, in opening order. Only
 # weak references to tracers: a tracer refers to its trace, so a strong one would keep every trace (and what its
@@ -52,7 +51,7 @@ def _traces_here() -> list[Any]:
     return out
 
 
-def check_open(comm: "Communicator", direction: str, op: str) -> None:
+def check_open(comm: CommView, direction: str, op: str) -> None:
     """Before a send half of `direction` ("dispatch" or "combine") is bound: refuses it if the backend's buffers for
     that direction are all held by rounds open here: opened in this traced function or in the ones it is nested in
     (a nested jit, a cond branch, a loop body runs while its enclosing function's rounds are open) and not received."""
@@ -73,7 +72,7 @@ def check_open(comm: "Communicator", direction: str, op: str) -> None:
         f"earlier handle first, or use another Communicator for this round.")
 
 
-def opened(comm: "Communicator", direction: str, handle: Any, op: str) -> None:
+def opened(comm: CommView, direction: str, handle: Any, op: str) -> None:
     """A send half was bound; `handle` (the backend's) is what its receive consumes."""
     key = _key(handle)
     if key is None:  # evaluated eagerly: nothing can be reordered
@@ -82,7 +81,7 @@ def opened(comm: "Communicator", direction: str, handle: Any, op: str) -> None:
     table[id(key)] = (weakref.ref(key), f"{op} #{len(table) + 1}")
 
 
-def closed(comm: "Communicator", direction: str, handle: Any, op: str) -> None:
+def closed(comm: CommView, direction: str, handle: Any, op: str) -> None:
     """The receive half of the round whose send returned `handle` is about to be bound."""
     key = _key(handle)
     if key is None:

@@ -1,23 +1,22 @@
 """Trace-time checks of user input: each error names the argument and what was expected."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_moe.types import Dispatched
+from jax_moe.backends.base import CommView
 
-if TYPE_CHECKING:
-    from jax_moe.communicator import Communicator
 
 
 def _dt(a: Any) -> str:
     return np.dtype(a.dtype).name
 
 
-def check_axis(comm: "Communicator", op: str) -> None:
+def check_axis(comm: CommView, op: str) -> None:
     """The call must run per rank inside shard_map over the Communicator's axis."""
     try:
         size = jax.lax.axis_size(comm.axis_name)
@@ -51,7 +50,7 @@ def check_array(op: str, name: str, a: Any, shape: tuple, dtype: Any = None, kin
         raise TypeError(f"jax_moe.{op}: {name} has dtype {_dt(a)}, expected a floating dtype")
 
 
-def check_dispatch(comm: "Communicator", op: str, x: Any, topk_idx: Any, x_scale: Any) -> None:
+def check_dispatch(comm: CommView, op: str, x: Any, topk_idx: Any, x_scale: Any) -> None:
     cfg = comm.cfg
     check_axis(comm, op)
     check_array(op, "x", x, (None, cfg.hidden))
@@ -74,7 +73,7 @@ def check_dispatch(comm: "Communicator", op: str, x: Any, topk_idx: Any, x_scale
                          f"{cfg.dispatch_dtype.name}")
 
 
-def check_expert_y(comm: "Communicator", op: str, expert_y: Any, d: Dispatched) -> None:
+def check_expert_y(comm: CommView, op: str, expert_y: Any, d: Dispatched) -> None:
     check_axis(comm, op)
     if not isinstance(d, Dispatched):
         raise TypeError(f"jax_moe.{op}: expected the Dispatched returned by dispatch, got {type(d).__name__}")
@@ -84,7 +83,7 @@ def check_expert_y(comm: "Communicator", op: str, expert_y: Any, d: Dispatched) 
     check_array(op, "expert_y", expert_y, (comm.max_recv_rows, comm.cfg.hidden), comm.cfg.combine_dtype)
 
 
-def check_weights(comm: "Communicator", op: str, topk_weights: Any, topk_idx: jax.Array) -> None:
+def check_weights(comm: CommView, op: str, topk_weights: Any, topk_idx: jax.Array) -> None:
     check_array(op, "topk_weights", topk_weights, tuple(topk_idx.shape), kind="float")
 
 
@@ -100,6 +99,6 @@ def check_recv_weights(op: str, topk_weights: Any, d: Dispatched, reduced: bool)
                          f"combine, or to dispatch)")
 
 
-def check_comm(comm: "Communicator", op: str, comm_id: int, what: str) -> None:
+def check_comm(comm: CommView, op: str, comm_id: int, what: str) -> None:
     if comm_id != comm.id:
         raise ValueError(f"jax_moe.{op}: this {what} was made by another Communicator")

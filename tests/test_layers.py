@@ -45,3 +45,22 @@ def test_data_flows_one_way():
     for layer in ORDER:
         for dep in _included(layer):
             assert ORDER.index(dep) < ORDER.index(layer), f"src/{layer} includes src/{dep}, a later layer"
+
+
+def test_nothing_below_the_communicator_imports_it():
+    """Python imports flow one way (nn -> communicator -> api -> backends): the API layer and the backends know the
+    Communicator only as backends.base.CommView, not even under TYPE_CHECKING."""
+    import glob
+    import os
+    import re
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jax_moe")
+    below = [os.path.join(root, f) for f in ("api.py", "rounds.py", "validate.py", "types.py", "contract.py")]
+    below += glob.glob(os.path.join(root, "backends", "*.py"))
+    offenders = []
+    for path in below:
+        with open(path) as f:
+            if re.search(r"from jax_moe(\.communicator| import .*\bcommunicator\b)|import jax_moe\.communicator",
+                         f.read()):
+                offenders.append(os.path.relpath(path, root))
+    assert offenders == [], offenders

@@ -8,13 +8,39 @@ from __future__ import annotations
 
 import abc
 import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol, Union
 
 import jax
 import jax.numpy as jnp
 
-if TYPE_CHECKING:
-    from jax_moe.communicator import Communicator
+from jax_moe.config import MoEConfig
+
+
+class CommView(Protocol):
+    """What the API and the backends read of a Communicator (jax_moe.Communicator is one): its configuration, mesh and
+    axes, rank counts, id and options. A type only, so that the layers below the Communicator never import it (data
+    and imports flow one way: nn -> communicator -> api -> backends)."""
+
+    cfg: MoEConfig
+    mesh: Any
+    axis_name: Union[str, tuple[str, ...]]
+    axes: tuple[str, ...]
+    num_ranks: int
+    num_local_experts: int
+    rows_per_peer: int
+    id: int
+    platform: str
+    timeout_s: float
+    fabric_provider: str
+    fabric_memory: str
+    ranks_per_node: Optional[int]
+    backend: "Backend"
+
+    @property
+    def max_recv_rows(self) -> int: ...
+
+    @property
+    def backend_name(self) -> str: ...
 
 
 class Backend(abc.ABC):
@@ -23,7 +49,7 @@ class Backend(abc.ABC):
     # (the backend holds no per-round buffers). jax_moe.rounds refuses programs that open more at trace time.
     rounds_in_flight: Optional[int] = None
 
-    def __init__(self, comm: "Communicator"):
+    def __init__(self, comm: CommView):
         # A proxy, not a reference: the Communicator owns its backend, and a cycle between them would keep the native
         # buffers alive until the cyclic garbage collector runs, instead of freeing them when the user drops it.
         self.comm = weakref.proxy(comm)

@@ -11,18 +11,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import numpy as np
+from jax_moe.backends.base import CommView
 
 try:
     from jax._src import distributed as _distributed  # private: the only handle on the key-value store
 except ImportError:  # pragma: no cover - a jax without it: one process only
     _distributed = None
 
-if TYPE_CHECKING:
-    from jax_moe.communicator import Communicator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +46,7 @@ class NativeOptions:
     fabric_memory: str = "auto"  # where "cuda"'s areas for remote ranks live: "auto", "device", "host"
 
     @classmethod
-    def of(cls, comm: "Communicator", backend: str, uses_fabric: bool) -> "NativeOptions":
+    def of(cls, comm: CommView, backend: str, uses_fabric: bool) -> "NativeOptions":
         cfg = comm.cfg
         return cls(backend=backend, comm_id=int(comm.id), axes=tuple(comm.axes), num_ranks=comm.num_ranks,
                    num_experts=cfg.num_experts, local_experts=comm.num_local_experts,

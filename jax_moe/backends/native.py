@@ -10,19 +10,16 @@ from __future__ import annotations
 import threading
 import types
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import jax
 import numpy as np
 
 from jax_moe import shm_regions
 from jax_moe.backends import bootstrap
-from jax_moe.backends.base import Backend
+from jax_moe.backends.base import Backend, CommView
 from jax_moe.backends.ffi_call import ffi_call, wait_for_programs
 from jax_moe.backends.xla import XlaBackend
-
-if TYPE_CHECKING:
-    from jax_moe.communicator import Communicator
 
 try:
     from jax_moe import _core
@@ -97,7 +94,7 @@ class NativeBackend(Backend):
                                 has_side_effect=True, input_output_aliases={0: 0})(a, dep)
 
     # --- set-up ---------------------------------------------------------------------------------------------------
-    def __init__(self, comm: "Communicator"):
+    def __init__(self, comm: CommView):
         super().__init__(comm)
         if comm.platform not in self.platforms:
             raise ValueError(f"backend {self.name!r} runs on {' / '.join(self.platforms)} devices, but the mesh holds "
@@ -117,7 +114,7 @@ class NativeBackend(Backend):
         self._create()
         self._connect(bootstrap.exchange(self.options, self.table, self._record))
 
-    def _check(self, comm: "Communicator") -> None:
+    def _check(self, comm: CommView) -> None:
         """Refuses configs the native side cannot run (before anything is allocated)."""
 
     def _native_id(self, comm_id: int) -> int:
