@@ -62,10 +62,17 @@ def test_overlap_bench_runs_end_to_end_on_cpu(tmp_path):
     alone, and the GEMM pinned between the halves by barriers: its stamps come in program order (send, GEMM, recv)."""
     out = tmp_path / "overlap.json"
     p = subprocess.run([sys.executable, "-m", "jax_moe.bench", "overlap", "--backend", "cpu", "--iters", "3",
-                        "--warmup", "1", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        "--warmup", "1", "--micro-batches", "--json", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]
-    assert [r["op"] for r in rows] == ["dispatch", "combine"] and all(r["backend"] == "cpu" for r in rows)
+    assert [r["op"] for r in rows] == ["two micro-batches", "dispatch", "combine"], rows
+    assert all(r["backend"] == "cpu" for r in rows)
+    # Two micro-batches in one layer (B's dispatch in flight while A's experts run): runs with one buffer per
+    # direction, and the hidden fraction is what its three timings say.
+    mb = rows.pop(0)
+    assert mb["comm_us"] > 0 and mb["sequential_us"] > 0 and mb["two_us"] > 0 and mb["expert_width"] % 128 == 0
+    assert mb["hidden_fraction"] == pytest.approx((mb["sequential_us"] - mb["two_us"]) / (mb["comm_us"] / 2))
     for r in rows:
         assert r["comm_us"] > 0 and r["gemm_us"] > 0 and r["gemm_f"] % 128 == 0
         assert r["min_step_us"] >= 0 and 0 < r["gemm_in_overlap_us"] and r["overlap_us"] > 0

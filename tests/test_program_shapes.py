@@ -154,3 +154,38 @@ def test_a_handle_carried_through_a_loop_is_received_there(rng, backend):
     got = np.asarray(f(*[jax.device_put(a, NamedSharding(comm.mesh, P(None, "ep"))) for a in (x, idx)]))
     assert got.shape == (n, steps + 2) and np.isfinite(got).all()
     np.testing.assert_allclose(got[:, -1], got[:, 0], rtol=1e-6)  # round 0 and the later layer moved the same rows
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_micro_batches_in_flight_give_the_sequential_results(rng, backend):
+    """Micro-batch B's dispatch sent before A's experts run, A's combine in flight while B's experts run (the schedule
+    of `bench overlap --micro-batches`, one round per direction open at a time): bit-exact with A then B."""
+    comm = make(backend, ranks_for(backend, 2), t=8)
+    n, t = comm.num_ranks, comm.cfg.max_tokens
+    x = rng.standard_normal((n * t, 128)).astype(jnp.bfloat16)
+    idx = np.stack([rng.permutation(comm.cfg.num_experts)[:2] for _ in range(n * t)]).astype(np.int32)
+    w = rng.random((n * t, 2)).astype(np.float32)
+
+    def expert(rows):
+        return (rows.astype(jnp.float32) * 1.5 + 0.25).astype(jnp.bfloat16)
+
+    def sequential(x, i, w):
+        h = t // 2
+        return jnp.concatenate([comm.combine(expert(d.expert_x), None, d) for d in
+                                (comm.dispatch(x[s:s + h], i[s:s + h], topk_weights=w[s:s + h]) for s in (0, h))])
+
+    def two(x, i, w):
+        h = t // 2
+        da = comm.dispatch(x[:h], i[:h], topk_weights=w[:h])
+        hb = comm.dispatch_send(x[h:], i[h:], topk_weights=w[h:])
+        ya = expert(da.expert_x)
+        db = comm.dispatch_recv(hb)
+        ca = comm.combine_send(ya, da)
+        yb = expert(db.expert_x)
+        return jnp.concatenate([comm.combine_recv(ca), comm.combine(yb, None, db)])
+
+    run = [jax.jit(jax.shard_map(f, mesh=comm.mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep")))
+           for f in (sequential, two)]
+    args = [jax.device_put(a, NamedSharding(comm.mesh, P("ep"))) for a in (x, idx, w)]
+    want, got = (np.asarray(f(*args)) for f in run)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))

@@ -29,6 +29,7 @@ import numpy as np
 import jax_moe
 from jax_moe.backends import cpu as cpu_backend
 from jax_moe.backends import cuda as cuda_backend
+from jax_moe.bench import micro_batches
 from jax_moe.bench.moe import SHAPES, _inputs, program
 from jax_moe.types import CombineHandle, DispatchHandle
 
@@ -42,6 +43,9 @@ def _parse(argv):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--cpu-devices", type=int, default=4, help="simulated CPU devices (CPU platform only)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--micro-batches", action="store_true",
+                   help="also time two micro-batches in one layer, B's dispatch in flight while A's experts run "
+                        "(jax_moe/bench/micro_batches.py)")
     p.add_argument("--json", default=None, help="also write the results here")
     return p.parse_args(argv)
 
@@ -202,6 +206,14 @@ def main(argv) -> int:
             except (jax_moe.BackendUnavailable, ValueError) as err:
                 print(f"[overlap] skip backend {backend}: {err}")
                 continue
+            if args.micro_batches:
+                mb = {"shape": shape, "backend": backend, "ranks": n, "op": "two micro-batches",
+                      **micro_batches.measure(comm, mesh, inputs, iters, args.warmup, gpu, _run, _stamper(gpu))}
+                results.append(mb)
+                print(f"{shape:<8}{backend:<8}two micro-batches: comm {mb['comm_us']:.1f}, one after the other "
+                      f"{mb['sequential_us']:.1f}, two in flight {mb['two_us']:.1f} us: "
+                      f"{100 * mb['hidden_fraction']:.0f}% of B's dispatch and A's combine hidden "
+                      f"(experts' width {mb['expert_width']})", flush=True)
             for op in ("dispatch", "combine"):
                 res = {"shape": shape, "backend": backend, "ranks": n,
                        **measure(comm, mesh, inputs, op, iters, args.warmup, gpu), **sms_in_flight(comm, op, t)}

@@ -1,0 +1,106 @@
+"""Two micro-batches in one MoE layer (issue 26): micro-batch B's dispatch moves while A's experts run, and A's combine
+while B's experts run (DualPipe's overlap, pplx-garden's one context per micro-batch), against the same work one
+micro-batch after the other. Part of `python -m jax_moe.bench overlap --micro-batches`.
+
+Each rank's tokens are split into micro-batches A and B. Per rank, three programs, timed by stamps inside them (the
+slowest rank per iteration, p50):
+- comm:       dispatch then combine of A and of B, no expert work;
+- sequential: A then B, each dispatch -> expert (two GEMMs over the received rows) -> combine;
+- two:        dispatch A; send B's dispatch; A's expert; receive B; send A's combine; B's expert; receive A's
+              combine; combine B. Each direction has one round open at a time, so it needs one buffer per direction
+              (backend "cuda"'s rounds_in_flight is 1).
+Hidden fraction = (sequential - two) / (what could hide: B's dispatch and A's combine, half of comm).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moe.types import CombineHandle, DispatchHandle
+
+
+def _with_first_leaf(handle, fn: Callable):
+    """The backend handle with its first leaf (what the send wrote: its ticket) replaced by fn(leaf)."""
+    leaves, tree = jax.tree_util.tree_flatten(handle)
+    leaves[0] = fn(leaves[0])
+    return jax.tree_util.tree_unflatten(tree, leaves)
+
+
+def bodies(comm, stamp, width: int):
+    """The per-rank bodies (comm, sequential, two): each returns its start and end stamps. width: the experts' inner
+    width F (two GEMMs [rows, hidden] x [hidden, F] x [F, hidden])."""
+
+    def expert(rows: jax.Array, dep: jax.Array) -> jax.Array:
+        h = rows.astype(jnp.bfloat16)
+        w1 = jnp.full((h.shape[1], width), 0.01, jnp.bfloat16) * dep.reshape(-1)[:1].astype(jnp.bfloat16)
+        w2 = jnp.full((width, h.shape[1]), 0.01, jnp.bfloat16)
+        g = jnp.dot(h, w1, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        return jnp.dot(g, w2, preferred_element_type=jnp.float32).astype(comm.cfg.combine_dtype)
+
+    def halves(x, xs, idx, w):
+        t = x.shape[0] // 2
+        cut = lambda a, i: None if a is None else a[i * t:(i + 1) * t]  # noqa: E731
+        return [(cut(x, i), cut(xs, i), cut(idx, i), cut(w, i)) for i in (0, 1)]
+
+    def comm_body(x, xs, idx, w):
+        x, t0 = stamp(x, x)
+        outs = []
+        for mx, ms, mi, mw in halves(x, xs, idx, w):
+            d = comm.dispatch(mx, mi, x_scale=ms, topk_weights=mw)
+            outs.append(comm.combine(d.expert_x.astype(comm.cfg.combine_dtype), None, d))
+        out, t1 = stamp(outs[1], outs[0])
+        return jnp.stack([t0, t1])[None]
+
+    def sequential_body(x, xs, idx, w):
+        x, t0 = stamp(x, x)
+        outs = []
+        for mx, ms, mi, mw in halves(x, xs, idx, w):
+            d = comm.dispatch(mx, mi, x_scale=ms, topk_weights=mw)
+            outs.append(comm.combine(expert(d.expert_x, mx), None, d))
+        out, t1 = stamp(outs[1], outs[0])
+        return jnp.stack([t0, t1])[None]
+
+    def two_body(x, xs, idx, w):
+        x, t0 = stamp(x, x)
+        (ax, as_, ai, aw), (bx, bs, bi, bw) = halves(x, xs, idx, w)
+        da = comm.dispatch(ax, ai, x_scale=as_, topk_weights=aw)
+        hb = comm.dispatch_send(bx, bi, x_scale=bs, topk_weights=bw)
+        # A's expert starts once B's send is out, and B's receive waits for it (stamps order them: XLA drops
+        # optimization barriers before it schedules).
+        rows_a, _ = stamp(da.expert_x, jax.tree_util.tree_leaves(hb._handle)[0])
+        ya = expert(rows_a, ax)
+        db = comm.dispatch_recv(DispatchHandle(hb._x, hb._x_scale, hb._topk_idx,
+                                               _with_first_leaf(hb._handle, lambda v: stamp(v, ya)[0]),
+                                               hb._comm_id, hb._topk_weights))
+        ca = comm.combine_send(ya, da)
+        rows_b, _ = stamp(db.expert_x, jax.tree_util.tree_leaves(ca._handle)[0])
+        yb = expert(rows_b, bx)
+        oa = comm.combine_recv(CombineHandle(ca._expert_y, ca._dispatched,
+                                             _with_first_leaf(ca._handle, lambda v: stamp(v, yb)[0]), ca._comm_id,
+                                             ca._reduced))
+        ob = comm.combine(yb, None, db)
+        out, t1 = stamp(ob, oa)
+        return jnp.stack([t0, t1])[None]
+
+    return comm_body, sequential_body, two_body
+
+
+def measure(comm, mesh, inputs, iters: int, warmup: int, gpu: bool, run: Callable, stamp: Callable) -> dict:
+    """The three programs' p50s and the hidden fraction; the experts' width makes one micro-batch's expert about as
+    long as its share of the communication (what it has to hide)."""
+    comm_body, _, _ = bodies(comm, stamp, 128)
+    t_comm = float(np.median(run(comm_body, mesh, inputs, iters, warmup, gpu)[:, 0]))
+    probe = 1024
+    seq_probe = float(np.median(run(bodies(comm, stamp, probe)[1], mesh, inputs, max(5, iters // 4), warmup,
+                                    gpu)[:, 0]))
+    expert_probe = max(seq_probe - t_comm, 1e-3) / 2  # one micro-batch's expert at the probe width
+    width = int(np.clip(round(probe * (t_comm / 4) / expert_probe / 128) * 128, 128, 1 << 16))
+    _, sequential_body, two_body = bodies(comm, stamp, width)
+    t_seq = float(np.median(run(sequential_body, mesh, inputs, iters, warmup, gpu)[:, 0]))
+    t_two = float(np.median(run(two_body, mesh, inputs, iters, warmup, gpu)[:, 0]))
+    hideable = t_comm / 2  # B's dispatch and A's combine
+    return {"comm_us": t_comm, "sequential_us": t_seq, "two_us": t_two, "expert_width": width,
+            "hidden_fraction": (t_seq - t_two) / hideable if hideable > 0 else None}
