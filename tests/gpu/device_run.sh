@@ -133,7 +133,7 @@ if has hmem; then  # issue 25: libfabric 2.6 built with CUDA (carried in third_p
   export LIBFABRIC_ROOT=/tmp/lfi LD_LIBRARY_PATH=/tmp/lfi/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   stage hmem_build 400 bash -c 'python3 -m pip install --no-build-isolation --no-deps -e . \
     --config-settings=build-dir=build/lf26 && python3 -c "import jax_moe._core as c; print(\"jax_moe._core:\", c.build_info())"'
-  stage hmem_tests 600 env JAX_MOE_TEST_FABRIC_HMEM=shm python3 -m pytest -q -p no:cacheprovider --capture=sys \
+  stage hmem_tests 600 python3 -m pytest -q -p no:cacheprovider --capture=sys \
     --runslow -m gpu tests/gpu/test_cuda_nodes.py ${HMEM_TESTS:-}
   stage hmem_fabric 300 env JAX_PLATFORMS=cpu python3 -m pytest -q -p no:cacheprovider -n 4 tests/fabric
   NODES_MEMORY=${HMEM_MEMORY:-device host} nodes_bench hmem
