@@ -19,6 +19,8 @@ import threading
 import time
 from typing import IO, Optional
 
+from jax_moe import shm_regions
+
 TIMEOUT_EXIT = 124  # as timeout(1)
 
 
@@ -57,12 +59,22 @@ def start(command: list[str], i: int, n: int, port: int, gpu: bool) -> subproces
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
+_screen = {"bar": False}  # a bar is drawn on the terminal's current line (by any child's relay; under the lock)
+
+
 def relay(stream: IO[bytes], prefix: str, lock: threading.Lock) -> None:
     """Copy a child's output to our stdout, line by line, prefixed. A progress bar (tqdm redraws its line after each
-    carriage return) stays one line: redrawn in place on a terminal; elsewhere only its last state is printed, once
-    its line ends."""
+    carriage return) stays one line: redrawn in place on a terminal (any other line first clears it); elsewhere only
+    its last state is printed, once its line ends."""
     live = sys.stdout.isatty()
-    bar = ""  # the latest redraw of a bar whose line has not ended
+    bar = ""  # the latest redraw of this child's bar whose line has not ended
+
+    def line(text: str) -> None:
+        if live and _screen["bar"]:
+            sys.stdout.write("\r\x1b[K")
+            _screen["bar"] = False
+        sys.stdout.write(f"{prefix} {text.rstrip()}\n")
+
     pending = b""
     while chunk := stream.read1(65536) if hasattr(stream, "read1") else stream.read(1):
         pending += chunk
@@ -77,18 +89,19 @@ def relay(stream: IO[bytes], prefix: str, lock: threading.Lock) -> None:
                         bar = text
                         if live:
                             sys.stdout.write(f"\r{prefix} {bar}\x1b[K")
+                            _screen["bar"] = True
                 elif text.strip():  # a line (a bar's last redraw ends this way too): it replaces the bar
-                    sys.stdout.write(f"{chr(13) if live and bar else ''}{prefix} {text.rstrip()}"
-                                     f"{chr(27) + '[K' if live and bar else ''}\n")
+                    line(text)
                     bar = ""
                 elif bar:  # the bar's line ends: keep its last state
-                    sys.stdout.write("\n" if live else f"{prefix} {bar}\n")
+                    line(bar)
                     bar = ""
                 sys.stdout.flush()
-    if bar and not live:
-        with lock:
-            sys.stdout.write(f"{prefix} {bar}\n")
-            sys.stdout.flush()
+    with lock:  # the child is gone: what it printed without a final newline, or its bar's last state
+        rest = pending.decode(errors="replace")
+        if rest.strip() or bar:
+            line(rest if rest.strip() else bar)
+        sys.stdout.flush()
 
 
 def kill_all(procs: list[subprocess.Popen], grace_s: float = 3.0) -> None:
@@ -147,6 +160,8 @@ def main(argv: list[str]) -> int:
             kill_all(procs)
         for t in threads:
             t.join(timeout=5.0)
+        # A child killed (here or by anyone) could not close its shm endpoints: their /dev/shm regions go with it.
+        shm_regions.remove_of(p.pid for p in procs if p.poll() is not None)
     if failure is None:
         return 0
     print(f"launch: {failure}; stopped the others", file=sys.stderr)

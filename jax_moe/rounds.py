@@ -97,8 +97,12 @@ def closed(comm: CommView, direction: str, handle: Any, op: str) -> None:
         if entry is not None and entry[0]() is key:
             del table[id(key)]
             return
-    # A handle from an enclosing trace, seen here as another tracer: its round is the oldest one still open.
-    for table in tables:
+    # A handle from another trace, seen here as another tracer: its round is the oldest one still open in the
+    # nearest enclosing trace that has one, else (a loop body's trace is not always chained to the function around
+    # the loop) in any live trace. A handle both branches of a cond receive closes two rounds: an under-count, which
+    # the backend's run-time check still catches.
+    ancestors = [_open.get(trace, {}).get((comm.id, direction)) for trace in _traces_here()[1:]]
+    for table in ancestors + tables:
         if table:
             del table[next(iter(table))]
             return

@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_moe
 from support.helpers import backend_mesh
-from support.remat import POLICIES, check_against, dense_grads, native_calls, remat_grad_fn, remat_problem
+from support.remat import (POLICIES, check_against, dense_grads, moe_layer, native_calls, remat_grad_fn,
+                           remat_problem)
 
 NATIVE = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 E, R, HIDDEN, T = 8, 3, 64, 6
@@ -65,14 +66,14 @@ def test_split_halves_under_remat(rng, backend, variant):
     check_against(remat_grad_fn(comm, variant, 1, split=True)(*args), dense_grads(problem, E), f"{backend} split")
 
 
-def test_checkpoint_names_are_what_dispatch_and_combine_return(rng):
-    """save_only_these_names keeps exactly the named results: the remat'ed jaxpr's residuals include them."""
+def test_dispatch_and_combine_results_carry_their_checkpoint_names(rng):
+    """The results carry DISPATCH_NAME / COMBINE_NAME, so that a policy can select them. (What a policy then saves:
+    the native backends save their calls' results under every policy, test_checkpointed_layers_match_xla_and_send_
+    nothing_again; "xla" keeps its receive halves' results too, being inside jax.custom_vjp.)"""
     comm, problem, args = _setup("cpu", 2, rng, 1)
-    from support.remat import moe_layer
     layer = moe_layer(comm, split=False)
-    names = jax_moe.DISPATCH_NAME, jax_moe.COMBINE_NAME
     text = str(jax.make_jaxpr(jax.shard_map(lambda x, i, w, a, b: layer(x, i, w, a[0], b[0]), mesh=comm.mesh,
                                             in_specs=(P("ep"), P("ep"), P("ep"), P(None, "ep"), P(None, "ep")),
                                             out_specs=P("ep")))(*args[:5]))
-    for name in names:
+    for name in (jax_moe.DISPATCH_NAME, jax_moe.COMBINE_NAME):
         assert f"name={name}" in text, text[-2000:]

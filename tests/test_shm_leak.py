@@ -43,17 +43,26 @@ def test_no_shm_region_outlives_its_communicators():
 
 
 def test_regions_of_dead_processes_are_removed_and_no_others(tmp_path):
-    """A SIGKILLed process cannot close its shm endpoints: the next native backend removes the regions whose process
-    is gone (names "<pid>_<16 hex>:<n>"), never a live process's region nor anything else."""
+    """A SIGKILLed process cannot close its shm endpoints: whoever started it removes its regions once it ended
+    (remove_of, exact), and remove_stale takes those of every process not running; neither touches a live process's
+    region nor anything else (names "<pid>_<16 hex>:<n>")."""
     import subprocess
     import sys
 
-    from jax_moe.shm_regions import remove_stale
+    from jax_moe.shm_regions import remove_of, remove_stale
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()  # a pid that has exited
     names = {f"{dead}_0123456789abcdef:0": False, f"{dead}_fedcba9876543210:3": False,
              f"{os.getpid()}_0123456789abcdef:0": True, f"{dead}_notours": True, "other": True}
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    assert remove_of([os.getpid()], str(tmp_path)) == []  # a running process's regions stay
+    other = f"{int(dead) + 1}_0123456789abcdef:0"  # another dead pid: remove_of takes only the pids it is given
+    (tmp_path / other).write_bytes(b"x")
+    assert sorted(remove_of([int(dead)], str(tmp_path))) == sorted(n for n, keep in names.items() if not keep)
+    assert sorted(os.listdir(tmp_path)) == sorted([n for n, keep in names.items() if keep] + [other])
+    (tmp_path / other).unlink()
     for name in names:
         (tmp_path / name).write_bytes(b"x")
     removed = remove_stale(str(tmp_path))

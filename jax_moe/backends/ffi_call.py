@@ -40,10 +40,12 @@ class RoundOrder(effects.Effect):
 
 
 _ORDER = RoundOrder()
-# remat_allowed_effects: jax.checkpoint / nnx.remat around a layer. Partial evaluation keeps effectful calls in the
-# forward pass and saves their results (it never replays a call with effects), so a checkpointed layer sends each
-# round once, in program order, whatever the policy; were a later JAX to recompute them, the token would still order
-# the recomputed rounds alike on every rank.
+# remat_allowed_effects: jax.checkpoint / nnx.remat around a layer. Partial evaluation keeps an effectful call whose
+# inputs are known in the forward pass and saves its results (it never replays one), so a checkpointed layer sends
+# each round once, in program order, whatever the policy (tests/test_remat.py counts the calls). A JAX that replayed
+# them would break this: a receive replayed without its send would take another round's data. Also known: under
+# jax.grad, lax.scan hoists a call whose operands are all loop-invariant out of the loop (one round instead of one
+# per step: the same results, on every rank alike).
 for _kind in (effects.lowerable_effects, effects.ordered_effects, effects.shardable_ordered_effects,
               effects.control_flow_allowed_effects, effects.custom_derivatives_allowed_effects,
               effects.partial_eval_kept_effects, effects.remat_allowed_effects):

@@ -15,7 +15,6 @@ from typing import Any, Callable, ClassVar, Optional
 import jax
 import numpy as np
 
-from jax_moe import shm_regions
 from jax_moe.backends import bootstrap
 from jax_moe.backends.base import Backend, CommView
 from jax_moe.backends.ffi_call import ffi_call, wait_for_programs
@@ -105,8 +104,6 @@ class NativeBackend(Backend):
         self.options = bootstrap.NativeOptions.of(comm, self.name, self.uses_fabric)
         self.table = bootstrap.RankTable.of(comm.mesh, comm.axes)
         self.native_id = self._native_id(int(comm.id))
-        if self.uses_fabric and jax.process_count() > 1:
-            shm_regions.remove_stale()  # what killed processes left in /dev/shm before this one's engines open
         self.reference = XlaBackend(comm)  # the contract's layout from topk_idx alone (per-entry gradients)
         # Registered before anything is allocated, so a failed set-up still frees what it got. At exit the process
         # (and the native module's own exit hook) takes the state with it.

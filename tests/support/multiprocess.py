@@ -9,6 +9,8 @@ import tempfile
 import time
 from typing import Sequence
 
+from jax_moe import shm_regions
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -50,4 +52,5 @@ def launch(script: str, argv_per_proc: Sequence[Sequence[str]], timeout_s: float
                 p.kill()
                 p.wait()
         scratch.cleanup()
+        shm_regions.remove_of(p.pid for p in procs)  # a killed worker's shm endpoints (it could not close them)
     return outputs
