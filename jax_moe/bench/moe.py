@@ -427,7 +427,7 @@ def main(argv) -> int:
         if s == "sweep":
             t_list = [t for t in SWEEP if gpu or t <= 256]
             base = SHAPES["decode"] if gpu else SHAPES["small"]
-            points += [(f"sweep", t, base[1:], sweep_iters) for t in t_list]
+            points += [("sweep", t, base[1:], sweep_iters) for t in t_list]
         elif s in SHAPES:
             points.append((s, SHAPES[s][0], SHAPES[s][1:], iters))
         else:
