@@ -5,7 +5,6 @@ case runs the shared worker's checks against the NumPy oracle (bf16 and fp8 roun
 program forward and backward, gradients)."""
 from __future__ import annotations
 
-import os
 import re
 
 import jax
