@@ -14,12 +14,10 @@ operation of those ranks beside its floor (EP1 kernel + TransferEngine one-way t
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 import time
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +29,7 @@ import jax_moe
 from jax_moe import multihost, payload
 from jax_moe.backends import cpu as cpu_backend
 from jax_moe.backends import cuda as cuda_backend
-from jax_moe.backends.native import native_module
-from jax_moe.bench import floor, processes
+from jax_moe.bench import diagnostics, floor, processes, report
 from jax_moe.types import CombineHandle, DispatchHandle
 
 SHAPES = {  # name: (tokens per rank, hidden, experts, top-k, fp8 dispatch)
@@ -43,7 +40,7 @@ SHAPES = {  # name: (tokens per rank, hidden, experts, top-k, fp8 dispatch)
 }
 BUFFER_TOKENS = {"decode-big": 4096}  # max_tokens of a shape's Communicator where it is not the tokens sent
 SWEEP = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096)
-PHASES = ("dispatch_send", "dispatch_recv", "dispatch", "combine_send", "combine_recv", "combine")
+PHASES = report.PHASES
 
 
 def _parse(argv):
@@ -73,31 +70,6 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
-def _fabric_breakdown(comm, rounds: int) -> Optional[dict]:
-    """The host proxies' view of the dispatch rounds (every process's trace, steady clock, one host): bell seen ->
-    posted on the sender, sender posted -> arrival flagged on the receiver (the wire, the remote completion and the
-    receiving proxy's pass). Median us over rounds; None without remote ranks."""
-    if not hasattr(comm.backend, "fabric_trace"):
-        return None
-    traces = multihost.share(comm.backend.fabric_trace(rounds))  # per process: {gpu: [(seen, posted, flagged)]}
-    per_gpu = [np.asarray(t, np.int64) for proc in traces for t in proc.values() if len(t)]
-    if len(per_gpu) < 2:
-        return None
-    k = min(len(t) for t in per_gpu)
-    tr = np.stack([t[:k] for t in per_gpu])  # [gpu, round, (seen, posted, flagged)]
-    ok = (tr > 0).all(axis=(0, 2))
-    tr = tr[:, ok]
-    if not tr.shape[1]:
-        return None
-    post = (tr[:, :, 1] - tr[:, :, 0]) / 1e3
-    # A round arrives once the latest other sender's region is in.
-    others = np.stack([np.delete(tr[:, :, 1], i, axis=0).max(axis=0) for i in range(tr.shape[0])])
-    arrive = (tr[:, :, 2] - others) / 1e3
-    return {"rounds": int(tr.shape[1]), "bell_seen_to_posted_us": float(np.median(post)),
-            "posted_to_remote_flag_us": float(np.median(arrive)),
-            "posted_to_remote_flag_p99_us": float(np.percentile(arrive, 99))}
-
-
 # --- inputs -------------------------------------------------------------------------------------------------------
 def _inputs(rng, n, t, hidden, e, r, fp8):
     idx = np.stack([rng.permutation(e)[:r] for _ in range(n * t)]).astype(np.int32)  # uniform top-k, none masked
@@ -117,31 +89,6 @@ def _remote_tokens(idx, n, t, l):
         ranks = np.where(per[s] >= 0, per[s] // l, -1)
         out.append(sum(len(set(row[(row >= 0) & (row != s)].tolist())) for row in ranks))
     return float(np.mean(out))
-
-
-_TRACE_HALVES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
-_TRACE_POINTS = ("start", "waited", "work", "end")
-
-
-def _trace_summary(comm) -> Optional[dict]:
-    """Median device-side timeline of an iteration per GPU (JAX_MOE_CUDA_TRACE=1): every half's start, end of its
-    waits on peers, end of its block 0's work, and end, in us after that GPU's dispatch_send start. (GPUs' clocks
-    are not synchronised: only times on one GPU are compared.)"""
-    if os.environ.get("JAX_MOE_CUDA_TRACE") != "1" or not hasattr(comm.backend, "read_trace"):
-        return None
-    traces = comm.backend.read_trace()
-    out = {}
-    for ordinal in sorted(traces):
-        tr = traces[ordinal][:, :4, :].astype(np.int64)  # [ring, half, point], channel 0 only
-        used = tr[:, 0, 0] > 0
-        if not used.any():
-            continue
-        rel = (tr[used] - tr[used][:, :1, :1]) / 1e3
-        out[ordinal] = {f"{h}.{p}": float(np.median(rel[:, i, j]))
-                        for i, h in enumerate(_TRACE_HALVES) for j, p in enumerate(_TRACE_POINTS)}
-    for ordinal, row in out.items():
-        print(f"[moe] trace gpu{ordinal}: " + " ".join(f"{k}={v:.1f}" for k, v in row.items()), flush=True)
-    return out
 
 
 def _remote_rows(idx, n, t, l):
@@ -315,82 +262,6 @@ def _cpu_run(comm, mesh, inputs, iters, warmup, weights_at_dispatch=True):
     return {k: v.max(axis=0) for k, v in per.items()}  # the slowest rank sets the pace
 
 
-def _summary(samples):
-    out = {}
-    for k in PHASES + ("dispatch_split", "combine_split"):
-        if k not in samples:
-            continue
-        v = samples[k]
-        ok = v[np.isfinite(v)]
-        out[k] = {"p50": float(np.percentile(ok, 50)) if ok.size else None,
-                  "p99": float(np.percentile(ok, 99)) if ok.size else None}
-    out["iters"] = int(samples["dispatch"].size)
-    if "per_rank_p50" in samples:
-        out["per_rank_p50"] = samples["per_rank_p50"]
-    return out
-
-
-def _fmt(v):
-    return "-" if v is None else (f"{v:9.1f}" if v < 1e5 else f"{v:9.2e}")
-
-
-def _peer_bandwidth(platform, n):
-    if platform != "gpu":
-        return None
-    try:
-        mod, _ = native_module("cuda")
-        if mod is None:
-            return None
-        devs = jax.local_devices(backend="gpu")
-        size = 256 << 20
-        res = {"d2d_local_GBps": mod.peer_copy_bandwidth(devs[0].local_hardware_id, devs[0].local_hardware_id,
-                                                           size, 20) / 1e9}
-        # How the GPU reads pinned host memory: the receive kernels of ranks on other nodes read it in place.
-        copy, read, fresh = mod.host_read_bandwidth(devs[0].local_hardware_id, 64 << 20, 10)
-        res["h2d_copy_GBps"], res["h2d_kernel_read_GBps"] = copy / 1e9, read / 1e9
-        res["h2d_kernel_read_after_cpu_write_GBps"] = fresh / 1e9
-        if n > 1 and len(devs) > 1:
-            res["peer_GBps"] = mod.peer_copy_bandwidth(devs[0].local_hardware_id, devs[1].local_hardware_id,
-                                                       size, 20) / 1e9
-        return res
-    except Exception as e:  # noqa: BLE001 - a missing number must not stop the benchmark
-        print(f"[moe] peer bandwidth not measured: {e}", file=sys.stderr)
-        return None
-
-
-def _write(out, meta, results):
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-
-
-def _plot(results, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    sweep = [r for r in results if r["shape"].startswith("sweep")]
-    rows = sweep or results
-    for ax, phase in zip(axes, ("dispatch", "combine")):
-        for backend in sorted({r["backend"] for r in rows}):
-            pts = sorted((r["tokens"], r["stats"][phase]["p50"]) for r in rows
-                         if r["backend"] == backend and r["stats"][phase]["p50"] is not None)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=backend)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens per rank")
-        ax.set_ylabel(f"{phase} p50 (us)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    fig.suptitle("jax_moe dispatch / combine latency")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv) -> int:
     args = _parse(list(argv))
     if args.processes > 1 and not os.environ.get(processes.PROC_ENV):
@@ -418,7 +289,7 @@ def main(argv) -> int:
         return 2
     mesh = jax.make_mesh((n,), ("ep",), devices=devices[:n])
     rng = np.random.default_rng(args.seed)
-    bw = _peer_bandwidth(platform, n) if leader else None
+    bw = diagnostics.peer_bandwidth(platform, n) if leader else None
     print(f"[moe] platform={platform} ranks={n} devices={devices[0].device_kind} backends={backends} "
           f"shapes={shapes} peer bandwidth={bw}", flush=True)
 
@@ -500,7 +371,7 @@ def main(argv) -> int:
             except Exception as err:  # noqa: BLE001 - report and go on with the other backends
                 print(f"[moe] {backend} {shape} T={t} failed: {type(err).__name__}: {str(err)[:400]}")
                 continue
-            stats = _summary(samples)
+            stats = report.summary(samples)
             rec = {"shape": shape, "tokens": t, "hidden": hidden, "experts": e, "topk": r, "fp8": fp8,
                    "ranks": n, "backend": backend, "stats": stats, "remote_dispatch_bytes": disp_bytes,
                    "remote_combine_bytes": comb_bytes, "seconds": time.perf_counter() - started}
@@ -512,13 +383,13 @@ def main(argv) -> int:
                 rec["remote_dispatch_bytes_sent"] = token_bytes
                 rec["launch"] = comm.backend.launch_shapes(t)  # (blocks, threads) per half, and the GPU's SMs
                 print(f"[moe] launch (blocks, threads) {rec['launch']}", flush=True)
-                trace = _trace_summary(comm)
+                trace = diagnostics.trace_summary(comm)
                 if trace:
                     rec["trace_us"] = trace
                 fabric = comm.backend.fabric_info()
                 if fabric:  # ranks on other nodes: which provider and memory, and the proxies' timeline
                     rec["fabric"] = {str(k): v for k, v in fabric.items()}
-                    rec["fabric_breakdown"] = _fabric_breakdown(comm, 4096)
+                    rec["fabric_breakdown"] = diagnostics.fabric_breakdown(comm, 4096)
                     print(f"[moe] fabric {rec['fabric']} breakdown {rec['fabric_breakdown']}", flush=True)
             sent = token_bytes if native == "cuda" else disp_bytes
             comb_sent = comb_summed if summed else comb_bytes
@@ -533,9 +404,9 @@ def main(argv) -> int:
                 rec["floor_combine_sent_us"] = comb_sent / (bw["peer_GBps"] * 1e9) * 1e6
             results.append(rec)
             if leader:
-                _write(args.out, meta, results)  # as we go: a run cut short still leaves its numbers
-            print(f"[moe] {shape:8s} T={t:5d} {backend:10s} dispatch p50 {_fmt(stats['dispatch']['p50'])} us  "
-                  f"combine p50 {_fmt(stats['combine']['p50'])} us  ({rec['seconds']:.1f} s)", flush=True)
+                report.write(args.out, meta, results)  # as we go: a run cut short still leaves its numbers
+            print(f"[moe] {shape:8s} T={t:5d} {backend:10s} dispatch p50 {report.fmt(stats['dispatch']['p50'])} us  "
+                  f"combine p50 {report.fmt(stats['combine']['p50'])} us  ({rec['seconds']:.1f} s)", flush=True)
             del comm
 
     # speed-up of each backend over the faster XLA path on the same point
@@ -554,15 +425,15 @@ def main(argv) -> int:
     print("\n" + header)
     for rec in results:
         st = rec["stats"]
-        cells = " ".join(f"{_fmt(st[p]['p50'])}/{_fmt(st[p]['p99'])}".rjust(22) for p in PHASES)
+        cells = " ".join(f"{report.fmt(st[p]['p50'])}/{report.fmt(st[p]['p99'])}".rjust(22) for p in PHASES)
         gbd = rec.get("dispatch_send_GBps")
         gbc = rec.get("combine_send_GBps")
         sp = rec.get("dispatch_speedup_vs_xla")
         print(f"{rec['shape']:8s} {rec['tokens']:5d} {rec['backend']:10s} {cells} "
               f"{'-' if gbd is None else f'{gbd:9.1f}':>9s} {'-' if gbc is None else f'{gbc:9.1f}':>9s} "
               f"{'-' if sp is None else f'{sp:9.1f}':>9s}")
-    _write(args.out, meta, results)
+    report.write(args.out, meta, results)
     if results:
-        _plot(results, os.path.join(args.out, "moe.png"))
+        report.plot(results, os.path.join(args.out, "moe.png"))
     print(f"[moe] wrote {args.out}/results.json and moe.png")
     return 0

@@ -1,0 +1,87 @@
+"""What `bench moe` reports besides the timings: the host proxies' view of the rounds, the cuda backend's device
+trace (JAX_MOE_CUDA_TRACE=1), and the GPU's copy and host-read bandwidths."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+import jax
+import numpy as np
+
+from jax_moe import multihost
+from jax_moe.backends.native import native_module
+
+
+def fabric_breakdown(comm, rounds: int) -> Optional[dict]:
+    """The host proxies' view of the dispatch rounds (every process's trace, steady clock, one host): bell seen ->
+    posted on the sender, sender posted -> arrival flagged on the receiver (the wire, the remote completion and the
+    receiving proxy's pass). Median us over rounds; None without remote ranks."""
+    if not hasattr(comm.backend, "fabric_trace"):
+        return None
+    traces = multihost.share(comm.backend.fabric_trace(rounds))  # per process: {gpu: [(seen, posted, flagged)]}
+    per_gpu = [np.asarray(t, np.int64) for proc in traces for t in proc.values() if len(t)]
+    if len(per_gpu) < 2:
+        return None
+    k = min(len(t) for t in per_gpu)
+    tr = np.stack([t[:k] for t in per_gpu])  # [gpu, round, (seen, posted, flagged)]
+    ok = (tr > 0).all(axis=(0, 2))
+    tr = tr[:, ok]
+    if not tr.shape[1]:
+        return None
+    post = (tr[:, :, 1] - tr[:, :, 0]) / 1e3
+    # A round arrives once the latest other sender's region is in.
+    others = np.stack([np.delete(tr[:, :, 1], i, axis=0).max(axis=0) for i in range(tr.shape[0])])
+    arrive = (tr[:, :, 2] - others) / 1e3
+    return {"rounds": int(tr.shape[1]), "bell_seen_to_posted_us": float(np.median(post)),
+            "posted_to_remote_flag_us": float(np.median(arrive)),
+            "posted_to_remote_flag_p99_us": float(np.percentile(arrive, 99))}
+
+
+_TRACE_HALVES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+_TRACE_POINTS = ("start", "waited", "work", "end")
+
+
+def trace_summary(comm) -> Optional[dict]:
+    """Median device-side timeline of an iteration per GPU (JAX_MOE_CUDA_TRACE=1): every half's start, end of its
+    waits on peers, end of its block 0's work, and end, in us after that GPU's dispatch_send start. (GPUs' clocks
+    are not synchronised: only times on one GPU are compared.)"""
+    if os.environ.get("JAX_MOE_CUDA_TRACE") != "1" or not hasattr(comm.backend, "read_trace"):
+        return None
+    traces = comm.backend.read_trace()
+    out = {}
+    for ordinal in sorted(traces):
+        tr = traces[ordinal][:, :4, :].astype(np.int64)  # [ring, half, point], channel 0 only
+        used = tr[:, 0, 0] > 0
+        if not used.any():
+            continue
+        rel = (tr[used] - tr[used][:, :1, :1]) / 1e3
+        out[ordinal] = {f"{h}.{p}": float(np.median(rel[:, i, j]))
+                        for i, h in enumerate(_TRACE_HALVES) for j, p in enumerate(_TRACE_POINTS)}
+    for ordinal, row in out.items():
+        print(f"[moe] trace gpu{ordinal}: " + " ".join(f"{k}={v:.1f}" for k, v in row.items()), flush=True)
+    return out
+
+
+def peer_bandwidth(platform, n):
+    if platform != "gpu":
+        return None
+    try:
+        mod, _ = native_module("cuda")
+        if mod is None:
+            return None
+        devs = jax.local_devices(backend="gpu")
+        size = 256 << 20
+        res = {"d2d_local_GBps": mod.peer_copy_bandwidth(devs[0].local_hardware_id, devs[0].local_hardware_id,
+                                                           size, 20) / 1e9}
+        # How the GPU reads pinned host memory: the receive kernels of ranks on other nodes read it in place.
+        copy, read, fresh = mod.host_read_bandwidth(devs[0].local_hardware_id, 64 << 20, 10)
+        res["h2d_copy_GBps"], res["h2d_kernel_read_GBps"] = copy / 1e9, read / 1e9
+        res["h2d_kernel_read_after_cpu_write_GBps"] = fresh / 1e9
+        if n > 1 and len(devs) > 1:
+            res["peer_GBps"] = mod.peer_copy_bandwidth(devs[0].local_hardware_id, devs[1].local_hardware_id,
+                                                       size, 20) / 1e9
+        return res
+    except Exception as e:  # noqa: BLE001 - a missing number must not stop the benchmark
+        print(f"[moe] peer bandwidth not measured: {e}", file=sys.stderr)
+        return None
