@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_moe
 from support.helpers import backend_mesh
-from support.remat import (POLICIES, check_against, dense_grads, moe_layer, native_calls, remat_grad_fn,
-                           remat_problem)
+from support.grads import check_against, moe_layer
+from support.remat import POLICIES, dense_grads, native_calls, remat_grad_fn, remat_problem
 
 NATIVE = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 E, R, HIDDEN, T = 8, 3, 64, 6
@@ -70,7 +70,7 @@ def test_dispatch_and_combine_results_carry_their_checkpoint_names(rng):
     the native backends save their calls' results under every policy, test_checkpointed_layers_match_xla_and_send_
     nothing_again; "xla" keeps its receive halves' results too, being inside jax.custom_vjp.)"""
     comm, problem, args = _setup("cpu", 2, rng, 1)
-    layer = moe_layer(comm, split=False)
+    layer = moe_layer(comm, split_halves=False)
     text = str(jax.make_jaxpr(jax.shard_map(lambda x, i, w, a, b: layer(x, i, w, a[0], b[0]), mesh=comm.mesh,
                                             in_specs=(P("ep"), P("ep"), P("ep"), P(None, "ep"), P(None, "ep")),
                                             out_specs=P("ep")))(*args[:5]))

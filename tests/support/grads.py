@@ -16,13 +16,11 @@ def local_expert_of_rows(counts: jax.Array, rows: int) -> jax.Array:
     return jnp.clip(e, 0, counts.shape[0] - 1)
 
 
-def moe_loss_fn(comm, split_halves: bool, collective: bool = True, weights_at_dispatch: bool = False):
-    """jit(grad) of the MoE loss over (x, topk_weights, a, b). collective=False: each rank's partial loss is pulled
-    back on its own, with no all-reduce (for processes sharing a GPU, which NCCL refuses): the same gradients.
-    weights_at_dispatch: topk_weights go to dispatch and combine gets None (their gradient flows back through d)."""
-    axis = comm.axis_name
+def moe_layer(comm, split_halves: bool, weights_at_dispatch: bool = False):
+    """layer(x, idx, w, a, b): dispatch -> per-expert affine map x * a[e] + b[e] -> combine, per rank.
+    weights_at_dispatch: w goes to dispatch and combine gets None (its gradient flows back through d)."""
 
-    def body(x, idx, w, a, b, g):
+    def layer(x, idx, w, a, b):
         wd, wc = (w, None) if weights_at_dispatch else (None, w)
         if split_halves:
             d = comm.dispatch_recv(comm.dispatch_send(x, idx, topk_weights=wd))
@@ -33,11 +31,22 @@ def moe_loss_fn(comm, split_halves: bool, collective: bool = True, weights_at_di
         # times its zero cotangent would reach the gradients of a and b.
         xe = received(d)[0].astype(jnp.float32)
         y = (xe * a[e] + b[e]).astype(jnp.bfloat16)
-        out = comm.combine_recv(comm.combine_send(y, d), wc) if split_halves else comm.combine(y, wc, d)
-        part = jnp.sum(out.astype(jnp.float32) * g)
+        return comm.combine_recv(comm.combine_send(y, d), wc) if split_halves else comm.combine(y, wc, d)
+
+    return layer
+
+
+def grad_program(comm, loss, in_specs, collective: bool):
+    """jit(grad) over (x, topk_weights, a, b) of loss(x, idx, w, a, b, g) -> this rank's partial loss, summed over
+    the ranks. collective=False: each rank's partial loss is pulled back on its own, with no all-reduce (for
+    processes sharing a GPU, which NCCL refuses): the same gradients."""
+    axis = comm.axis_name
+
+    def body(*args):
+        part = loss(*args)
         return jax.lax.psum(part, axis) if collective else part[None]
 
-    f = jax.shard_map(body, mesh=comm.mesh, in_specs=(P(axis),) * 6, out_specs=P() if collective else P(axis))
+    f = jax.shard_map(body, mesh=comm.mesh, in_specs=in_specs, out_specs=P() if collective else P(axis))
     if collective:
         return jax.jit(jax.grad(f, argnums=(0, 2, 3, 4)))
 
@@ -46,6 +55,17 @@ def moe_loss_fn(comm, split_halves: bool, collective: bool = True, weights_at_di
         return vjp(jnp.ones_like(parts))
 
     return jax.jit(pullback)
+
+
+def moe_loss_fn(comm, split_halves: bool, collective: bool = True, weights_at_dispatch: bool = False):
+    """jit(grad) of the MoE loss over (x, topk_weights, a, b) (see grad_program for collective, moe_layer for
+    weights_at_dispatch)."""
+    layer = moe_layer(comm, split_halves, weights_at_dispatch)
+
+    def loss(x, idx, w, a, b, g):
+        return jnp.sum(layer(x, idx, w, a, b).astype(jnp.float32) * g)
+
+    return grad_program(comm, loss, (P(comm.axis_name),) * 6, collective)
 
 
 def dense_loss(x, idx, w, a, b, g, num_experts):
@@ -68,14 +88,19 @@ def grad_problem(rng, n: int, t: int, r: int, e: int, hidden: int):
     return x, idx, w, a, b, g
 
 
+def check_against(got, want, what: str, rtol: float = 2e-2) -> None:
+    """Gradients (x, topk_weights, a, b) equal `want` within rtol (relative to each one's largest magnitude)."""
+    for name, gv, wv in zip(("x", "topk_weights", "a", "b"), got, want):
+        gv, wv = np.asarray(gv, np.float32), np.asarray(wv, np.float32)
+        assert gv.shape == wv.shape, (what, name)
+        scale = np.abs(wv).max() + 1e-6
+        np.testing.assert_allclose(gv, wv, rtol=rtol, atol=rtol * scale, err_msg=f"{what}: d loss / d {name}")
+
+
 def check_grads(got, problem, num_experts: int) -> None:
     """Gradients (x, topk_weights, a, b) of the MoE loss equal the dense reference; masked slots get no weight
     gradient."""
     x, idx, w, a, b, g = problem
     want = jax.grad(dense_loss, argnums=(0, 2, 3, 4))(jnp.asarray(x), idx, w, a, b, g, num_experts)
-    for name, gv, wv in zip(("x", "topk_weights", "a", "b"), got, want):
-        gv, wv = np.asarray(gv, np.float32), np.asarray(wv, np.float32)
-        assert gv.shape == wv.shape, name
-        scale = np.abs(wv).max() + 1e-6
-        np.testing.assert_allclose(gv, wv, rtol=2e-2, atol=2e-2 * scale, err_msg=f"d loss / d {name}")
+    check_against(got, want, "dense reference")
     assert np.all(np.asarray(got[1])[idx < 0] == 0)

@@ -36,9 +36,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_moe  # noqa: E402
 from jax_moe import multihost  # noqa: E402
-from support.grads import check_grads, grad_problem, moe_loss_fn  # noqa: E402
+from support.grads import check_against, check_grads, grad_problem, moe_loss_fn  # noqa: E402
 from support.helpers import check_roundtrip, random_routing, random_tokens, roundtrip  # noqa: E402
-from support.remat import check_against, dense_grads, remat_grad_fn, remat_problem  # noqa: E402
+from support.remat import dense_grads, remat_grad_fn, remat_problem  # noqa: E402
 from support.program_shapes import run_all  # noqa: E402
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import collections
 import re
-from typing import Callable, Optional
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +13,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import jax_moe
-from support.grads import local_expert_of_rows
-from support.helpers import random_routing, received
+from support.grads import grad_program, moe_layer
+from support.helpers import random_routing
 
 # name -> the policy (None: no checkpoint at all; "default": jax.checkpoint's own, everything recomputed).
 POLICIES: dict[str, object] = {
@@ -24,19 +24,6 @@ POLICIES: dict[str, object] = {
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
     "save_only_names": jax.checkpoint_policies.save_only_these_names(jax_moe.DISPATCH_NAME, jax_moe.COMBINE_NAME),
 }
-
-
-def moe_layer(comm: jax_moe.Communicator, split: bool) -> Callable:
-    """dispatch -> per-expert affine map -> combine, with the router weights at combine."""
-
-    def layer(x, idx, w, a, b):
-        d = comm.dispatch_recv(comm.dispatch_send(x, idx)) if split else comm.dispatch(x, idx)
-        e = local_expert_of_rows(d.expert_counts, d.expert_x.shape[0])
-        xe = received(d)[0].astype(jnp.float32)  # the padding rows masked: they are unspecified
-        y = (xe * a[e] + b[e]).astype(jnp.bfloat16)
-        return comm.combine_recv(comm.combine_send(y, d), w) if split else comm.combine(y, w, d)
-
-    return layer
 
 
 def with_policy(layer: Callable, variant: str) -> Callable:
@@ -60,29 +47,19 @@ def remat_problem(rng, n: int, t: int, r: int, e: int, hidden: int, layers: int)
 def remat_grad_fn(comm: jax_moe.Communicator, variant: str, layers: int, split: bool = False,
                   collective: bool = True):
     """jit(grad) of the loss of `layers` MoE layers (one: called directly; more: lax.scan over the stacked a, b), each
-    wrapped as `variant` says, over (x, topk_weights, a, b). collective=False: per-rank partial losses pulled back
-    on their own (no all-reduce, for processes that cannot run XLA's collectives)."""
+    wrapped as `variant` says, over (x, topk_weights, a, b) (collective: see grads.grad_program)."""
     axis = comm.axis_name
     layer = with_policy(moe_layer(comm, split), variant)
 
-    def body(x, idx, w, a, b, g):
+    def loss(x, idx, w, a, b, g):
         if layers == 1:
             out = layer(x, idx, w, a[0], b[0])
         else:
             out, _ = jax.lax.scan(lambda h, ab: (layer(h, idx, w, ab[0], ab[1]), None), x, (a, b))
-        part = jnp.sum(out.astype(jnp.float32) * g)
-        return jax.lax.psum(part, axis) if collective else part[None]
+        return jnp.sum(out.astype(jnp.float32) * g)
 
     specs = (P(axis), P(axis), P(axis), P(None, axis), P(None, axis), P(axis))
-    f = jax.shard_map(body, mesh=comm.mesh, in_specs=specs, out_specs=P() if collective else P(axis))
-    if collective:
-        return jax.jit(jax.grad(f, argnums=(0, 2, 3, 4)))
-
-    def pullback(x, idx, w, a, b, g):
-        parts, vjp = jax.vjp(lambda x, w, a, b: f(x, idx, w, a, b, g), x, w, a, b)
-        return vjp(jnp.ones_like(parts))
-
-    return jax.jit(pullback)
+    return grad_program(comm, loss, specs, collective)
 
 
 def dense_remat_loss(x, idx, w, a, b, g, num_experts: int):
@@ -103,14 +80,7 @@ def native_calls(fn, *args) -> collections.Counter:
     return collections.Counter(re.findall(r"jax_moe_(?:cpu|cuda)_[a-z_]+", fn.lower(*args).as_text()))
 
 
-def check_against(got, want, what: str, rtol: float = 2e-2) -> None:
-    for name, gv, wv in zip(("x", "topk_weights", "a", "b"), got, want):
-        gv, wv = np.asarray(gv, np.float32), np.asarray(wv, np.float32)
-        assert gv.shape == wv.shape, (what, name)
-        scale = np.abs(wv).max() + 1e-6
-        np.testing.assert_allclose(gv, wv, rtol=rtol, atol=rtol * scale, err_msg=f"{what}: d loss / d {name}")
-
-
-def dense_grads(problem, num_experts: int, x_dtype: Optional[object] = None):
+def dense_grads(problem, num_experts: int):
+    """The dense reference's gradients (x, topk_weights, a, b) of dense_remat_loss."""
     x, idx, w, a, b, g = problem
     return jax.grad(dense_remat_loss, argnums=(0, 2, 3, 4))(jnp.asarray(x), idx, w, a, b, g, num_experts)
