@@ -45,23 +45,22 @@ def bodies(comm, stamp, width: int):
         cut = lambda a, i: None if a is None else a[i * t:(i + 1) * t]  # noqa: E731
         return [(cut(x, i), cut(xs, i), cut(idx, i), cut(w, i)) for i in (0, 1)]
 
-    def comm_body(x, xs, idx, w):
-        x, t0 = stamp(x, x)
-        outs = []
-        for mx, ms, mi, mw in halves(x, xs, idx, w):
-            d = comm.dispatch(mx, mi, x_scale=ms, topk_weights=mw)
-            outs.append(comm.combine(d.expert_x.astype(comm.cfg.combine_dtype), None, d))
-        out, t1 = stamp(outs[1], outs[0])
-        return jnp.stack([t0, t1])[None]
+    def one_after_other(work: Callable) -> Callable:
+        """A then B, each dispatch -> work(rows, its tokens) -> combine."""
 
-    def sequential_body(x, xs, idx, w):
-        x, t0 = stamp(x, x)
-        outs = []
-        for mx, ms, mi, mw in halves(x, xs, idx, w):
-            d = comm.dispatch(mx, mi, x_scale=ms, topk_weights=mw)
-            outs.append(comm.combine(expert(d.expert_x, mx), None, d))
-        out, t1 = stamp(outs[1], outs[0])
-        return jnp.stack([t0, t1])[None]
+        def body(x, xs, idx, w):
+            x, t0 = stamp(x, x)
+            outs = []
+            for mx, ms, mi, mw in halves(x, xs, idx, w):
+                d = comm.dispatch(mx, mi, x_scale=ms, topk_weights=mw)
+                outs.append(comm.combine(work(d.expert_x, mx), None, d))
+            out, t1 = stamp(outs[1], outs[0])
+            return jnp.stack([t0, t1])[None]
+
+        return body
+
+    comm_body = one_after_other(lambda rows, _: rows.astype(comm.cfg.combine_dtype))
+    sequential_body = one_after_other(expert)
 
     def two_body(x, xs, idx, w):
         x, t0 = stamp(x, x)
