@@ -52,7 +52,21 @@ void RegisterCuda(nb::module_& m) {
       .def_prop_ro("ptr", [](const jax_moe::cuda::DeviceMemory& m) { return reinterpret_cast<uintptr_t>(m.data()); })
       .def_prop_ro("nbytes", &jax_moe::cuda::DeviceMemory::size)
       .def_prop_ro("ordinal", &jax_moe::cuda::DeviceMemory::ordinal)
-      .def_prop_ro("dmabuf_fd", &jax_moe::cuda::DeviceMemory::dmabuf_fd);
+      .def_prop_ro("dmabuf_fd", &jax_moe::cuda::DeviceMemory::dmabuf_fd)
+      .def(
+          "upload",
+          [](const jax_moe::cuda::DeviceMemory& m, size_t offset, nb::bytes data) {
+            m.Upload(offset, data.c_str(), data.size());
+          },
+          "offset"_a, "data"_a, "Copies bytes in at offset (on a non-blocking stream of its own)")
+      .def(
+          "download",
+          [](const jax_moe::cuda::DeviceMemory& m, size_t offset, size_t n) {
+            std::string out(n, '\0');
+            m.Download(offset, out.data(), n);
+            return nb::bytes(out.data(), out.size());
+          },
+          "offset"_a, "nbytes"_a, "The bytes at [offset, offset + nbytes) (read on a non-blocking stream of its own)");
   cuda.def("handlers", []() {
     nb::dict d;
     d["jax_moe_cuda_dispatch_send"] = Capsule(JaxMoeCudaDispatchSend);

@@ -123,19 +123,27 @@ if has ipc; then  # EP2 through the NVLink kernels between two processes (CUDA I
 fi
 if has hmem; then  # issue 25: libfabric 2.6 built with CUDA (carried in third_party_headers/vendor), the project
   # rebuilt against it, then the cross-node GPU tests and benchmarks with the areas in GPU memory and in host memory
-  stage hmem_libfabric 300 bash -c 'rm -rf /tmp/lfb /tmp/lfi && mkdir -p /tmp/lfb && \
-    tar -xzf third_party_headers/vendor/libfabric-2.6.0-src.tgz -C /tmp/lfb && cd /tmp/lfb/lf && \
-    ./configure -q --prefix=/tmp/lfi --with-cuda=/usr/local/cuda --enable-cuda-dlopen --enable-shm --enable-tcp \
-      --enable-rxm --disable-efa --disable-verbs --disable-psm2 --disable-psm3 --disable-opx --disable-usnic \
-      --disable-ucx --disable-lpp --disable-sockets --disable-udp --disable-mrail --disable-hook_debug \
-      --disable-hook_hmem --disable-dmabuf_peer_mem > /tmp/lfb/configure.log && make -s -j16 install > /tmp/lfb/make.log 2>&1 && \
-    FI_LOG_LEVEL=info /tmp/lfi/bin/fi_info -p shm -c FI_HMEM 2>&1 | grep -i -m3 "hmem\|cuda"; echo built'
-  export LIBFABRIC_ROOT=/tmp/lfi LD_LIBRARY_PATH=/tmp/lfi/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  LFI=/tmp/lfi
+  if [ -e "$ROOT/third_party_headers/lfi/lib/libfabric.so" ]; then  # built ahead with CUDA and carried (DEVELOPERS.md)
+    LFI=$ROOT/third_party_headers/lfi
+  else
+    stage hmem_libfabric 300 bash -c 'rm -rf /tmp/lfb /tmp/lfi && mkdir -p /tmp/lfb && \
+      tar -xzf third_party_headers/vendor/libfabric-2.6.0-src.tgz -C /tmp/lfb && cd /tmp/lfb/lf && \
+      ./configure -q --prefix=/tmp/lfi --with-cuda=/usr/local/cuda --enable-cuda-dlopen --enable-shm --enable-tcp \
+        --enable-rxm --disable-efa --disable-verbs --disable-psm2 --disable-psm3 --disable-opx --disable-usnic \
+        --disable-ucx --disable-lpp --disable-sockets --disable-udp --disable-mrail --disable-hook_debug \
+        --disable-hook_hmem --disable-dmabuf_peer_mem > /tmp/lfb/configure.log && make -s -j16 install > /tmp/lfb/make.log 2>&1 && echo built'
+  fi
+  FI_LOG_LEVEL=info "$LFI/bin/fi_info" -p shm -c FI_HMEM 2>&1 | grep -i -m3 "hmem\|cuda"
+  export LIBFABRIC_ROOT=$LFI LD_LIBRARY_PATH=$LFI/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   stage hmem_build 400 bash -c 'python3 -m pip install --no-build-isolation --no-deps -e . \
     --config-settings=build-dir=build/lf26 && python3 -c "import jax_moe._core as c; print(\"jax_moe._core:\", c.build_info())"'
-  stage hmem_tests 600 python3 -m pytest -q -p no:cacheprovider --capture=sys \
-    --runslow -m gpu tests/gpu/test_cuda_nodes.py ${HMEM_TESTS:-}
-  stage hmem_fabric 300 env JAX_PLATFORMS=cpu python3 -m pytest -q -p no:cacheprovider -n 4 tests/fabric
-  NODES_MEMORY=${HMEM_MEMORY:-device host} nodes_bench hmem
+  # $HMEM_TESTS: the test files and options (default: the cross-node tests and the engine on GPU memory);
+  # HMEM_FABRIC=0 / HMEM_BENCH=0 skip the CPU fabric tests / the benchmarks
+  stage hmem_tests 600 python3 -m pytest -q -p no:cacheprovider --capture=sys --runslow -m gpu \
+    ${HMEM_TESTS:-tests/gpu/test_cuda_nodes.py tests/gpu/test_fabric_gpu_memory.py}
+  [ "${HMEM_FABRIC:-1}" = 0 ] || stage hmem_fabric 300 env JAX_PLATFORMS=cpu python3 -m pytest -q -p no:cacheprovider \
+    -n 4 tests/fabric
+  [ "${HMEM_BENCH:-1}" = 0 ] || NODES_MEMORY=${HMEM_MEMORY:-device host} nodes_bench hmem
 fi
 printf '%s\n' "${summary[@]}"

@@ -390,7 +390,9 @@ class OfiBackend final : public Backend {
         dmabuf.fd = mem.dmabuf_fd;
         dmabuf.offset = mem.dmabuf_offset;
         dmabuf.len = nbytes;
-        dmabuf.base_addr = ptr;  // with FI_MR_VIRT_ADDR peers address the region by its virtual address
+        // The dmabuf's own start: libfabric places the region at base_addr + offset, and with FI_MR_VIRT_ADDR
+        // peers address it by that virtual address, which must be `ptr`.
+        dmabuf.base_addr = static_cast<uint8_t*>(ptr) - mem.dmabuf_offset;
         attr.dmabuf = &dmabuf;
         attr.iov_count = 1;
         flags = FI_MR_DMABUF;
