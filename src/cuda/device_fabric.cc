@@ -220,7 +220,7 @@ std::string DeviceFabric::MemoryName() const {
 
 std::string DeviceFabric::VisibilityName() const {
   if (!on_gpu_) return "n/a";
-  if (engine_->provider() == "shm" || engine_->provider() == "tcp") {
+  if (copies_gpu_memory()) {
     return "the provider copies with cudaMemcpy: the proxy waits for its copies before each arrival flag";
   }
   return cuda::VisibilityName(visibility_);
@@ -305,12 +305,12 @@ void DeviceFabric::Connect(const std::vector<RemoteEndpoint>& peers, std::functi
   //   non-blocking: this waits for no kernel of ours). For the same reason the sender's area is reused only once the
   //   receivers read it (sent_when_read), not when the write completed.
   // - a NIC's RDMA writes (efa, verbs) need a flush only where the GPU does not order them (visibility_).
-  const bool copies = on_gpu_ && (engine_->provider() == "shm" || engine_->provider() == "tcp");
+  const bool copies = on_gpu_ && copies_gpu_memory();
   const bool flushes = on_gpu_ && !copies && visibility_ == RdmaVisibility::kFlush;
-  std::function<void()> before_arrival;
+  proxy::Pump::Hooks hooks;
   if (copies || flushes) {
     const int ordinal = ordinal_;
-    before_arrival = [ordinal, copies] {  // on the engine's progress thread, which serves this GPU only
+    hooks.before_arrival = [ordinal, copies](size_t, uint64_t) {  // on the engine's progress thread (this GPU's)
       static thread_local int current = -1;
       if (current != ordinal) {
         Check(cudaSetDevice(ordinal), "cudaSetDevice(proxy thread)");
@@ -323,8 +323,40 @@ void DeviceFabric::Connect(const std::vector<RemoteEndpoint>& peers, std::functi
       }
     };
   }
-  pump_ = std::make_unique<proxy::Pump>(std::move(links), timeout_s_, std::move(name), false, std::move(before_arrival),
+  if (const char* env = std::getenv("JAX_MOE_FABRIC_INSPECT"); env != nullptr && std::string(env) == "1") {
+    hooks.before_post = [this](size_t link, uint64_t round) { Inspect(link, round, /*received=*/false); };
+    auto arrival = std::move(hooks.before_arrival);
+    hooks.before_arrival = [this, arrival](size_t link, uint64_t round) {
+      if (arrival) arrival(link, round);
+      Inspect(link, round, /*received=*/true);
+    };
+  }
+  pump_ = std::make_unique<proxy::Pump>(std::move(links), timeout_s_, std::move(name), false, std::move(hooks),
                                         copies);
+}
+
+// Reads, as a copy engine sees them (GPU memory: on a non-blocking stream of its own), the headers of `round`'s
+// regions in stream `link`'s send area (before the pump posts them) or receive area (before it raises their arrival),
+// and logs every one that is not that round's from the expected rank: where GPU memory on the wire goes wrong.
+void DeviceFabric::Inspect(size_t link, uint64_t round, bool received) const {
+  const Stream& st = streams_[link];
+  const proxy::Lanes lanes{shape_.num_ranks, kFabricLanes, st.region};
+  const Area& area = received ? st.recv : st.send;
+  for (int p = 0; p < shape_.num_ranks; ++p) {
+    if (!remote_[p]) continue;
+    const uint64_t at = lanes.Offset(round, p);  // p's region in either area: the one we send it, or it sent us
+    proxy::RegionHeader h{};
+    if (area.hbm) {
+      area.hbm->Download(at, &h, sizeof(h));
+    } else {
+      std::memcpy(&h, area.pinned->host() + at, sizeof(h));
+    }
+    const std::string wrong =
+        proxy::CheckHeader(h, shape_, st.comm_id, round, received ? p : rank_, link == 0);
+    JAX_MOE_LOG(kWarn, "inspect %s %s round %llu %s rank %d: %s (seq %llu, rows %d)",
+                link == 0 ? "dispatch" : "combine", received ? "arrived" : "posting", (unsigned long long)round,
+                received ? "from" : "to", p, wrong.empty() ? "ok" : wrong.c_str(), (unsigned long long)h.seq, h.rows);
+  }
 }
 
 void DeviceFabric::Fill(KernelArgs& a) const {

@@ -159,10 +159,15 @@ void Channel::Post(uint64_t round, const fabric::MemoryRegion& src, const std::v
   }
 }
 
-bool Channel::PostArea(uint64_t round, const fabric::MemoryRegion& area, const uint64_t* bytes) {
+bool Channel::CanPost(uint64_t round) {
   for (int32_t p : remote_ranks_) {
     if (!CreditOk(p, round)) return false;
   }
+  return true;
+}
+
+bool Channel::PostArea(uint64_t round, const fabric::MemoryRegion& area, const uint64_t* bytes) {
+  if (!CanPost(round)) return false;
   if (remote_ranks_.empty()) return true;
   std::vector<uint64_t> offsets, lengths;
   for (int32_t p : remote_ranks_) {

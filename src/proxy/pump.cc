@@ -25,8 +25,8 @@ double Now() {
 }  // namespace
 
 Pump::Pump(std::vector<Link> links, double timeout_s, std::function<std::string(int64_t)> name, bool own_thread,
-           std::function<void()> before_arrival, bool sent_when_read)
-    : links_(std::move(links)), timeout_s_(timeout_s), name_(std::move(name)), before_arrival_(std::move(before_arrival)),
+           Hooks hooks, bool sent_when_read)
+    : links_(std::move(links)), timeout_s_(timeout_s), name_(std::move(name)), hooks_(std::move(hooks)),
       sent_when_read_(sent_when_read) {
   Require(timeout_s > 0, "Pump: timeout must be positive");
   for (const Link& l : links_) Require(l.channel && l.area && l.bell && l.bytes, "Pump: incomplete link");
@@ -107,7 +107,9 @@ bool Pump::Step(Link& link, State& st) {
   const Lanes& lanes = ch.lanes();
   const bool traced = &link == &links_[0];
   if (traced && rung > 0 && rung <= kTraceRounds && trace_[rung - 1][0] == 0) trace_[rung - 1][0] = NowNs();
-  while (st.posted < rung &&
+  const size_t index = size_t(&link - links_.data());
+  while (st.posted < rung && ch.CanPost(st.posted + 1) &&
+         (!hooks_.before_post || (hooks_.before_post(index, st.posted + 1), true)) &&
          ch.PostArea(st.posted + 1, *link.area, link.bytes + lanes.Lane(st.posted + 1) * lanes.num_ranks)) {
     ++st.posted;
     if (traced && st.posted <= kTraceRounds) trace_[st.posted - 1][1] = NowNs();
@@ -120,12 +122,8 @@ bool Pump::Step(Link& link, State& st) {
     Store(link.bell + kSent, st.posted);
     moved = true;
   }
-  bool flushed = false;
   while (ch.Arrived(st.flagged + 1, nullptr)) {  // no list of who is missing on the data path: only for the error
-    if (before_arrival_ && !flushed) {  // once for every round flagged in this pass: it covers what completed before
-      before_arrival_();
-      flushed = true;
-    }
+    if (hooks_.before_arrival) hooks_.before_arrival(index, st.flagged + 1);
     Store(link.bell + kArrived, ++st.flagged);
     if (traced && st.flagged <= kTraceRounds) trace_[st.flagged - 1][2] = NowNs();
     st.waiting_since = -1;

@@ -49,12 +49,18 @@ class Pump {
   };
   // `name(rank)` says where a rank runs, for errors. Starts serving at once.
   // own_thread: serve from a thread of its own even when one engine could host it (for comparison).
-  // before_arrival: run on the pump's thread before it raises an arrival flag (the device side's hook: a GPU whose
-  // NIC writes need a flush, or whose provider's copies must finish, before its kernels read them); null: nothing.
+  // What the device side runs on the pump's thread (null: nothing), with the link's index and the round:
+  // - before_arrival: before it raises a round's arrival flag (a GPU whose NIC writes need a flush, or whose
+  //   provider's copies must finish, before its kernels read them);
+  // - before_post: before it posts a round's regions (a check of what the device wrote, $JAX_MOE_FABRIC_INSPECT).
+  struct Hooks {
+    std::function<void(size_t link, uint64_t round)> before_arrival;
+    std::function<void(size_t link, uint64_t round)> before_post;
+  };
   // sent_when_read: raise `sent` for a round only once every receiver read it, not when our writes completed: for a
   // provider whose write completes before its copy out of the send area ran (shm between GPU buffers).
   Pump(std::vector<Link> links, double timeout_s, std::function<std::string(int64_t)> name, bool own_thread = false,
-       std::function<void()> before_arrival = nullptr, bool sent_when_read = false);
+       Hooks hooks = {}, bool sent_when_read = false);
   ~Pump();
   Pump(const Pump&) = delete;
   Pump& operator=(const Pump&) = delete;
@@ -86,7 +92,7 @@ class Pump {
   std::vector<Link> links_;
   const double timeout_s_;
   std::function<std::string(int64_t)> name_;
-  std::function<void()> before_arrival_;
+  Hooks hooks_;
   const bool sent_when_read_;
   mutable std::mutex error_mu_;
   std::string error_;

@@ -51,6 +51,13 @@ def launch(script: str, argv_per_proc: Sequence[Sequence[str]], timeout_s: float
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        keep = os.environ.get("JAX_MOE_TEST_LOGS")  # a directory: every worker's whole output is written there
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            for i, p in enumerate(procs):
+                out = outputs[i] if i < len(outputs) else (p.stdout.read() if p.stdout else "")
+                with open(os.path.join(keep, f"{os.path.splitext(script)[0]}.{os.getpid()}.{i}.log"), "w") as f:
+                    f.write(out or "")
         scratch.cleanup()
         shm_regions.remove_of(p.pid for p in procs)  # a killed worker's shm endpoints (it could not close them)
     return outputs
