@@ -327,7 +327,10 @@ void DeviceFabric::Connect(const std::vector<RemoteEndpoint>& peers, std::functi
     hooks.before_post = [this](size_t link, uint64_t round) { Inspect(link, round, /*received=*/false); };
     auto arrival = std::move(hooks.before_arrival);
     hooks.before_arrival = [this, arrival](size_t link, uint64_t round) {
+      const auto t0 = std::chrono::steady_clock::now();
       if (arrival) arrival(link, round);
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      if (ms > 1) JAX_MOE_LOG(kWarn, "inspect: the wait before flagging round %llu took %.1f ms", (unsigned long long)round, ms);
       Inspect(link, round, /*received=*/true);
     };
   }
@@ -351,9 +354,10 @@ void DeviceFabric::Inspect(size_t link, uint64_t round, bool received) const {
     } else {
       std::memcpy(&h, area.pinned->host() + at, sizeof(h));
     }
-    const std::string wrong =
-        proxy::CheckHeader(h, shape_, st.comm_id, round, received ? p : rank_, link == 0);
-    JAX_MOE_LOG(kWarn, "inspect %s %s round %llu %s rank %d: %s (seq %llu, rows %d)",
+    // Without the counts check: a dispatch region's counts are entries per expert, its rows token records.
+    const std::string wrong = proxy::CheckHeader(h, shape_, st.comm_id, round, received ? p : rank_, false);
+    const double now = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    JAX_MOE_LOG(kWarn, "inspect %.6f %s %s round %llu %s rank %d: %s (seq %llu, rows %d)", now,
                 link == 0 ? "dispatch" : "combine", received ? "arrived" : "posting", (unsigned long long)round,
                 received ? "from" : "to", p, wrong.empty() ? "ok" : wrong.c_str(), (unsigned long long)h.seq, h.rows);
   }

@@ -9,8 +9,10 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <string>
 
+#include "common/log.h"
 #include "cuda/device_error.h"
 #include "cuda/device_comm.h"
 #include "ffi/ffi_util.h"
@@ -279,6 +281,16 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_i
                                  expert_x_scale, counts, route, io);
       e.failure())
     return e;
+  static const bool inspect = [] {
+    const char* env = std::getenv("JAX_MOE_FABRIC_INSPECT");
+    return env != nullptr && std::string(env) == "1";
+  }();
+  if (inspect) {  // whether XLA's stream synchronizes with the legacy stream (where providers make their copies)
+    unsigned flags = 0;
+    cudaStreamGetFlags(stream, &flags);
+    JAX_MOE_LOG(kWarn, "inspect dispatch_recv on stream %p, flags %u (%s)", static_cast<void*>(stream), flags,
+                (flags & cudaStreamNonBlocking) ? "non-blocking" : "BLOCKING: waits for the legacy stream");
+  }
   return Recv<kGraph>(*dev, 0, "dispatch_recv", [&] { return LaunchDispatchRecv(dev->args, io, stream); });
 }
 
