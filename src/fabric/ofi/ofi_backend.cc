@@ -120,21 +120,11 @@ class OfiBackend final : public Backend {
         paths.push_back(PciSysfsPath(Format("%04x:%02x:%02x.%x", unsigned(pci.domain_id), unsigned(pci.bus_id),
                                             unsigned(pci.device_id), unsigned(pci.function_id))));
       }
-      const std::string gpu = PciSysfsPath(pci_bus_id);
-      if (gpu.empty()) JAX_MOE_LOG(kWarn, "ofi efa: GPU %s not found in sysfs: NICs in enumeration order", pci_bus_id.c_str());
-      const size_t nearest = NearestNics(gpu, paths).size();
+      std::vector<std::string> names;
+      for (const fi_info* d : devices) names.emplace_back(d->domain_attr->name);
       std::vector<fi_info*> ranked;
-      std::string chosen;
-      for (int i : RankNics(gpu, paths)) {
-        if (static_cast<int>(ranked.size()) < num_nics) {
-          chosen += Format("%s%s (%s)", chosen.empty() ? "" : ", ", devices[i]->domain_attr->name,
-                           paths[i].empty() ? "no PCI path" : paths[i].c_str());
-        }
-        ranked.push_back(devices[i]);
-      }
+      for (int i : OrderNicsForGpu("ofi efa", pci_bus_id, names, paths, num_nics)) ranked.push_back(devices[i]);
       devices.swap(ranked);
-      JAX_MOE_LOG(kInfo, "ofi efa: GPU %s: %zu of %zu NICs nearest; opening %s", pci_bus_id.c_str(), nearest,
-                  devices.size(), chosen.c_str());
     }
     for (int n = 0; n < num_nics; ++n) Open(devices[n % devices.size()]);
     const fi_info* info = nics_[0]->info.get();
