@@ -57,6 +57,20 @@ def test_model_bench_reproduces_pplx_and_scales_with_the_bytes(tmp_path):
             assert r["jax_moe"]["dispatch"]["bytes_off_node"] <= r["pplx"]["dispatch"]["bytes_off_node"]
 
 
+@pytest.mark.multiprocess
+def test_overlap_bench_across_processes(tmp_path):
+    """`bench overlap --processes 2` (issue 25: overlap across nodes): every rank of another process goes through the
+    proxy; the stamps of all ranks are gathered, and process 0 alone writes the results."""
+    out = tmp_path / "overlap.json"
+    p = subprocess.run([sys.executable, "-m", "jax_moe.bench", "overlap", "--backend", "cpu", "--iters", "2",
+                        "--warmup", "1", "--processes", "2", "--cpu-devices", "1", "--json", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["op"], r["ranks"]) for r in rows] == [("dispatch", 2), ("combine", 2)], rows
+    assert all(r["comm_us"] > 0 and r["overlap_us"] > 0 and r["min_step_us"] >= 0 for r in rows)
+
+
 def test_overlap_bench_runs_end_to_end_on_cpu(tmp_path):
     """`python -m jax_moe.bench overlap` (issue 14) on the "cpu" backend: dispatch and combine, each alone, the GEMM
     alone, and the GEMM pinned between the halves by barriers: its stamps come in program order (send, GEMM, recv)."""

@@ -29,7 +29,8 @@ import numpy as np
 import jax_moe
 from jax_moe.backends import cpu as cpu_backend
 from jax_moe.backends import cuda as cuda_backend
-from jax_moe.bench import micro_batches
+from jax_moe import multihost
+from jax_moe.bench import micro_batches, processes
 from jax_moe.bench.moe import SHAPES, _inputs, program
 from jax_moe.types import CombineHandle, DispatchHandle
 
@@ -46,6 +47,11 @@ def _parse(argv):
     p.add_argument("--micro-batches", action="store_true",
                    help="also time two micro-batches in one layer, B's dispatch in flight while A's experts run "
                         "(jax_moe/bench/micro_batches.py)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="run the ranks in this many processes of this host (GPUs shared round-robin), as `bench moe`")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per node: with fewer than all, ranks of other nodes go through the host proxy")
+    p.add_argument("--provider", default=None, help="TransferEngine provider between nodes (tcp, shm, efa, verbs)")
     p.add_argument("--json", default=None, help="also write the results here")
     return p.parse_args(argv)
 
@@ -127,10 +133,11 @@ def _programs(comm, op: str, stamp, gemm_f: int):
 
 def _run(body, mesh, inputs, iters: int, warmup: int, gpu: bool) -> np.ndarray:
     """[iters, k] ns between successive stamps, the max over ranks per iteration."""
-    f, args = program(body, mesh, inputs)
+    f, args = program(body, mesh, inputs, place=multihost.place)
     for _ in range(warmup):
         jax.block_until_ready(f(*args))
-    runs = [np.asarray(f(*args)) for _ in range(iters)]  # each [n, k, words]
+    runs = [f(*args) for _ in range(iters)]
+    runs = [multihost.gather(r) for r in runs]  # each [n, k, words], in every process
     ns = _ns(np.stack(runs, axis=1), gpu)  # [n, iters, k]
     return np.diff(ns, axis=-1).max(axis=0) / 1e3  # us
 
@@ -173,6 +180,12 @@ def sms_in_flight(comm, op: str, tokens: int) -> dict:
 
 def main(argv) -> int:
     args = _parse(list(argv))
+    if args.processes > 1 and not os.environ.get(processes.PROC_ENV):
+        return processes.launch(list(argv), args.processes, suite="overlap")
+    joined = processes.join()
+    leader = joined is None or joined[0] == 0
+    if not leader:  # the others run the same programs; process 0 prints and writes
+        sys.stdout = open(os.devnull, "w")
     try:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     except RuntimeError:
@@ -185,7 +198,8 @@ def main(argv) -> int:
     n = len(devices)
     mesh = jax.make_mesh((n,), ("ep",), devices=devices)
     rng = np.random.default_rng(args.seed)
-    print(f"[overlap] platform={jax.default_backend()} ranks={n} devices={devices[0].device_kind} "
+    nodes = "" if args.ranks_per_node is None else f" ranks_per_node={args.ranks_per_node} provider={args.provider}"
+    print(f"[overlap] platform={jax.default_backend()} ranks={n}{nodes} devices={devices[0].device_kind} "
           f"backends={backends} shapes={shapes}; us, p50 of the slowest rank", flush=True)
     print(f"{'shape':<8}{'backend':<8}{'op':<9}{'comm':>9}{'gemm':>9}{'both':>9}{'hidden':>8}{'gemm slowed':>12}"
           f"{'GEMM':>22}  SMs of our send kernel (none between the halves)")
@@ -202,7 +216,10 @@ def main(argv) -> int:
         inputs = _inputs(rng, n, t, hidden, e, r, fp8)
         for backend in backends:
             try:
-                comm = jax_moe.Communicator(cfg, mesh, "ep", backend=backend)
+                options = {} if backend == "xla" else {
+                    k: v for k, v in (("ranks_per_node", args.ranks_per_node), ("fabric_provider", args.provider))
+                    if v is not None}
+                comm = jax_moe.Communicator(cfg, mesh, "ep", backend=backend, **options)
             except (jax_moe.BackendUnavailable, ValueError) as err:
                 print(f"[overlap] skip backend {backend}: {err}")
                 continue
@@ -225,7 +242,7 @@ def main(argv) -> int:
                       f"{res['gemm_rows']:>7}x{hidden}x{res['gemm_f']:<8}  "
                       f"{'-' if res['sms_in_flight'] is None else res['sms_in_flight']}", flush=True)
             del comm
-    if args.json:
+    if args.json and leader:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"platform": jax.default_backend(), "results": results}, f, indent=1)
