@@ -391,8 +391,8 @@ uint64_t DeviceFabric::BytesAllocated() const {
   return total;
 }
 
-std::vector<std::array<int64_t, 3>> DeviceFabric::Trace() const {
-  return pump_ ? pump_->Trace() : std::vector<std::array<int64_t, 3>>{};
+std::vector<std::array<int64_t, 3>> DeviceFabric::Trace(int stream) const {
+  return pump_ && stream >= 0 ? pump_->Trace(size_t(stream)) : std::vector<std::array<int64_t, 3>>{};
 }
 
 }  // namespace jax_moe::cuda

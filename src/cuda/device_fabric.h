@@ -99,8 +99,9 @@ class DeviceFabric {
   const std::string& fallback_reason() const { return fallback_; }
   // What the proxy does so that NIC writes into GPU memory are visible to the kernels (areas on the GPU only).
   std::string VisibilityName() const;
-  // Per round of the dispatch stream: when the pump saw the bell, posted, flagged arrival (steady-clock ns).
-  std::vector<std::array<int64_t, 3>> Trace() const;
+  // Per round of a stream (0 dispatch, 1 and 2 the combine channels): when the pump saw the bell, posted, flagged
+  // arrival (steady-clock ns).
+  std::vector<std::array<int64_t, 3>> Trace(int stream) const;
 
  private:
   void Open(int64_t n, int rank, AreaMemory memory);  // the streams' areas, registrations and channels

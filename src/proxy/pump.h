@@ -73,9 +73,9 @@ class Pump {
   std::string error() const;
   // What kind of error it was (kTimeout: a peer was late; kPeerFailed: gone or bad data), when error() is not empty.
   ErrorCode error_code() const;
-  // Per round of link 0, steady-clock ns: when the pump saw the ring, posted the round, and flagged its arrival
-  // (0 where it has not happened). For the benchmark's breakdown; read after the pump is idle.
-  std::vector<std::array<int64_t, 3>> Trace() const;
+  // Per round of `link` (its first kTraceRounds), steady-clock ns: when the pump saw the ring, posted the round, and
+  // flagged its arrival (0 where it has not happened). For the benchmark's breakdown; read after the pump is idle.
+  std::vector<std::array<int64_t, 3>> Trace(size_t link = 0) const;
 
  private:
   struct State {
@@ -98,7 +98,7 @@ class Pump {
   std::string error_;
   ErrorCode error_code_ = ErrorCode::kInternal;
   std::vector<State> states_;
-  std::vector<std::array<int64_t, 3>> trace_;  // [round - 1]: seen, posted, arrived (link 0, first kTraceRounds)
+  std::vector<std::vector<std::array<int64_t, 3>>> traces_;  // [link][round - 1]: seen, posted, arrived
   fabric::TransferEngine* hooked_ = nullptr;  // the engine whose progress thread runs the pump, if any
   uint64_t hook_ = 0;                         // its hook id there
   std::atomic<bool> stop_{false};

@@ -173,15 +173,17 @@ void RegisterCuda(nb::module_& m) {
       "its proxy thread (-1: not pinned).");
   cuda.def(
       "fabric_trace",
-      [](int64_t id, int ordinal, int rounds) {
+      [](int64_t id, int ordinal, int rounds, int stream) {
         auto dev = jax_moe::cuda::FindDevice(id, ordinal);
         std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
         if (!dev || !dev->fabric) return out;
-        auto t = dev->fabric->Trace();
+        auto t = dev->fabric->Trace(stream);
         for (int i = 0; i < rounds && i < int(t.size()); ++i) out.emplace_back(t[i][0], t[i][1], t[i][2]);
         return out;
       },
-      "Per dispatch round of a device's proxy: (bell seen, posted, arrival flagged), steady-clock ns (0: not yet).");
+      "id"_a, "ordinal"_a, "rounds"_a, "stream"_a = 0,
+      "Per round of a stream (0 dispatch, 1 combine, 2 the combine's gradient channel) of a device's proxy: (bell "
+      "seen, posted, arrival flagged), steady-clock ns (0: not yet).");
   // Without the GIL: teardown waits for the devices (and, bounded, for the peers' last acknowledgements).
   cuda.def("destroy_comm", &jax_moe::cuda::DestroyComm, nb::call_guard<nb::gil_scoped_release>());
   // At interpreter exit, before jax's own exit hooks: programs still running call into the Communicators.
