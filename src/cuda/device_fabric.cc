@@ -332,6 +332,9 @@ void DeviceFabric::Connect(const std::vector<RemoteEndpoint>& peers, std::functi
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       if (ms > 1) JAX_MOE_LOG(kWarn, "inspect: the wait before flagging round %llu took %.1f ms", (unsigned long long)round, ms);
       Inspect(link, round, /*received=*/true);
+      const fabric::EngineStats es = engine_->Stats();  // a provider call that blocked shows as a long phase
+      JAX_MOE_LOG(kWarn, "inspect: longest progress phases so far: poll %.1f ms, hooks %.1f ms, post %.1f ms",
+                  es.longest_poll_ns / 1e6, es.longest_hooks_ns / 1e6, es.longest_post_ns / 1e6);
     };
   }
   pump_ = std::make_unique<proxy::Pump>(std::move(links), timeout_s_, std::move(name), false, std::move(hooks),

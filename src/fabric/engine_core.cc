@@ -121,6 +121,9 @@ EngineStats EngineCore::Stats() const {
   s.poll_ns = ns * double(profile_.ticks[PassProfile::kPoll].load(std::memory_order_relaxed));
   s.hooks_ns = ns * double(profile_.ticks[PassProfile::kHooks].load(std::memory_order_relaxed));
   s.post_ns = ns * double(profile_.ticks[PassProfile::kPost].load(std::memory_order_relaxed));
+  s.longest_poll_ns = ns * double(profile_.longest[PassProfile::kPoll].load(std::memory_order_relaxed));
+  s.longest_hooks_ns = ns * double(profile_.longest[PassProfile::kHooks].load(std::memory_order_relaxed));
+  s.longest_post_ns = ns * double(profile_.longest[PassProfile::kPost].load(std::memory_order_relaxed));
   return s;
 }
 

@@ -105,6 +105,7 @@ struct EngineStats {
   // The progress thread: passes made, and ns spent in them (naps excluded), in all and per phase.
   uint64_t progress_passes = 0;
   double progress_ns = 0, poll_ns = 0, hooks_ns = 0, post_ns = 0;
+  double longest_poll_ns = 0, longest_hooks_ns = 0, longest_post_ns = 0;  // the longest single phase of a pass
 };
 
 class TransferEngine {

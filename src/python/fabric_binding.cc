@@ -195,6 +195,9 @@ void RegisterFabric(nb::module_& m) {
              d["poll_ns"] = st.poll_ns;
              d["hooks_ns"] = st.hooks_ns;
              d["post_ns"] = st.post_ns;
+             d["longest_poll_ns"] = st.longest_poll_ns;
+             d["longest_hooks_ns"] = st.longest_hooks_ns;
+             d["longest_post_ns"] = st.longest_post_ns;
              return d;
            })
       .def("close", &Engine::Close, nb::call_guard<nb::gil_scoped_release>());
