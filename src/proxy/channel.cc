@@ -77,13 +77,6 @@ bool Channel::CreditOk(int64_t peer, uint64_t round) {
   return credits >= earlier;
 }
 
-bool Channel::ReadByReceivers(uint64_t round) {
-  for (int32_t p : remote_ranks_) {
-    if (!CreditOk(p, round + lanes().count)) return false;  // the next round of its lane may be posted: it was read
-  }
-  return true;
-}
-
 void Channel::Send(uint64_t round, const std::vector<int32_t>& rows, const Fill& fill) {
   const int64_t n = lanes().num_ranks;
   std::vector<char> now(n);

@@ -25,9 +25,8 @@ double Now() {
 }  // namespace
 
 Pump::Pump(std::vector<Link> links, double timeout_s, std::function<std::string(int64_t)> name, bool own_thread,
-           Hooks hooks, bool sent_when_read)
-    : links_(std::move(links)), timeout_s_(timeout_s), name_(std::move(name)), hooks_(std::move(hooks)),
-      sent_when_read_(sent_when_read) {
+           Hooks hooks)
+    : links_(std::move(links)), timeout_s_(timeout_s), name_(std::move(name)), hooks_(std::move(hooks)) {
   Require(timeout_s > 0, "Pump: timeout must be positive");
   for (const Link& l : links_) Require(l.channel && l.area && l.bell && l.bytes, "Pump: incomplete link");
   states_.resize(links_.size());
@@ -118,8 +117,7 @@ bool Pump::Step(Link& link, State& st) {
     moved = true;
   }
   // The channel's own writes, not the engine's: other Communicators' pumps post through the same engine.
-  if (Load(link.bell + kSent) < st.posted && ch.SendsInFlight() == 0 &&
-      (!sent_when_read_ || ch.ReadByReceivers(st.posted))) {
+  if (Load(link.bell + kSent) < st.posted && ch.SendsInFlight() == 0) {
     Store(link.bell + kSent, st.posted);
     moved = true;
   }

@@ -57,10 +57,8 @@ class Pump {
     std::function<void(size_t link, uint64_t round)> before_arrival;
     std::function<void(size_t link, uint64_t round)> before_post;
   };
-  // sent_when_read: raise `sent` for a round only once every receiver read it, not when our writes completed: for a
-  // provider whose write completes before its copy out of the send area ran (shm between GPU buffers).
   Pump(std::vector<Link> links, double timeout_s, std::function<std::string(int64_t)> name, bool own_thread = false,
-       Hooks hooks = {}, bool sent_when_read = false);
+       Hooks hooks = {});
   ~Pump();
   Pump(const Pump&) = delete;
   Pump& operator=(const Pump&) = delete;
@@ -93,7 +91,6 @@ class Pump {
   const double timeout_s_;
   std::function<std::string(int64_t)> name_;
   Hooks hooks_;
-  const bool sent_when_read_;
   mutable std::mutex error_mu_;
   std::string error_;
   ErrorCode error_code_ = ErrorCode::kInternal;

@@ -9,11 +9,8 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
-#include <cstdlib>
 #include <string>
 
-#include "common/log.h"
 #include "cuda/device_error.h"
 #include "cuda/device_comm.h"
 #include "ffi/ffi_util.h"
@@ -256,21 +253,6 @@ ffi::Error OneShot(const DeviceComm& dev, int stream, const char* op, LaunchFn l
   return earlier.empty() ? std::move(launched) : ToFfi(earlier);
 }
 
-// $JAX_MOE_FABRIC_INSPECT=1: says once whether XLA's stream synchronizes with the legacy default stream (where
-// libfabric's shm and tcp make their cudaMemcpy calls): a blocking stream makes those copies wait for our kernels.
-void InspectStream(cudaStream_t stream, const char* op) {
-  static const bool inspect = [] {
-    const char* env = std::getenv("JAX_MOE_FABRIC_INSPECT");
-    return env != nullptr && std::string(env) == "1";
-  }();
-  static std::atomic<bool> said{false};
-  if (!inspect || said.exchange(true)) return;
-  unsigned flags = 0;
-  cudaStreamGetFlags(stream, &flags);
-  JAX_MOE_LOG(kWarn, "inspect %s on stream %p, flags %u (%s)", op, static_cast<void*>(stream), flags,
-              (flags & cudaStreamNonBlocking) ? "non-blocking" : "BLOCKING: the legacy stream waits for it");
-}
-
 template <bool kGraph>
 ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, bool has_scale, bool has_weights,
                             ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer topk_weights,
@@ -297,7 +279,6 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_i
                                  expert_x_scale, counts, route, io);
       e.failure())
     return e;
-  InspectStream(stream, "dispatch_recv");
   return Recv<kGraph>(*dev, 0, "dispatch_recv", [&] { return LaunchDispatchRecv(dev->args, io, stream); });
 }
 
@@ -332,7 +313,6 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, b
                         ffi::Buffer<ffi::S32> topk_idx, ffi::Result<ffi::Buffer<ffi::S32>> ticket,
                         ffi::Result<ffi::AnyBuffer> expert_x, ffi::Result<ffi::AnyBuffer> expert_x_scale,
                         ffi::Result<ffi::Buffer<ffi::S32>> counts, ffi::Result<ffi::Buffer<ffi::S32>> route) {
-  InspectStream(stream, "dispatch");
   std::shared_ptr<const DeviceComm> dev;
   if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
   DispatchSendIo send;
