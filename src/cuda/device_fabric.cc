@@ -107,6 +107,9 @@ DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, co
   try {
     fabric::EngineOptions options;
     options.busy_poll = true;  // the proxy thread of a GPU spins: every microsecond it naps is on the data path
+    // Providers that copy GPU memory themselves never carry our GPU areas (Open): not asking them for FI_HMEM keeps
+    // shm's single-copy path for the host areas.
+    options.host_memory_only = CopiesGpuMemory(provider);
     options.progress_cpu = proxy_cpu_ = ProxyCpu(ordinal);
     char bus[32] = {};  // the GPU's PCI address: its engine opens the NICs nearest to it (fabric/nic_topology.h)
     if (cudaDeviceGetPCIBusId(bus, sizeof(bus), ordinal) == cudaSuccess) {
@@ -158,11 +161,11 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory) {
   //   blocked until the kernel's timeout gave up). So they cannot carry GPU memory at all: "device" is refused.
   // - efa and verbs move HBM by DMA without CUDA calls on that thread, but have not run on an RDMA NIC yet.
   on_gpu_ = memory == AreaMemory::kDevice;
-  if (!engine_->supports_device_memory()) {
-    fallback_ = "provider " + engine_->provider() + " did not grant FI_HMEM";
-  } else if (copies_gpu_memory()) {
+  if (copies_gpu_memory()) {
     fallback_ = "provider " + engine_->provider() + " copies GPU memory with CUDA calls on the proxy thread, which do "
                 "not complete while a receive kernel waits for them";
+  } else if (!engine_->supports_device_memory()) {
+    fallback_ = "provider " + engine_->provider() + " did not grant FI_HMEM";
   } else {
     fallback_ = "GPU memory on the wire has not run on an RDMA NIC yet: fabric_memory=\"device\" opts in";
   }

@@ -106,7 +106,8 @@ class DeviceFabric {
  private:
   void Open(int64_t n, int rank, AreaMemory memory);  // the streams' areas, registrations and channels
   // The provider moves GPU memory with cudaMemcpy on the proxy thread (shm, tcp), not with a NIC's DMA.
-  bool copies_gpu_memory() const { return provider_ == "shm" || provider_ == "tcp"; }
+  static bool CopiesGpuMemory(const std::string& provider) { return provider == "shm" || provider == "tcp"; }
+  bool copies_gpu_memory() const { return CopiesGpuMemory(engine_->provider()); }
   // $JAX_MOE_FABRIC_INSPECT=1: logs the headers of a round's regions before posting / flagging them.
   void Inspect(size_t link, uint64_t round, bool received) const;
   // A stream's area of `bytes` and its registration, on the GPU when on_gpu_.

@@ -77,13 +77,14 @@ struct OfiRegion : BackendRegion {
 
 class OfiBackend final : public Backend {
  public:
-  OfiBackend(const std::string& provider, int num_nics, const std::string& pci_bus_id) : provider_(provider) {
+  OfiBackend(const std::string& provider, int num_nics, const std::string& pci_bus_id, bool host_memory_only)
+      : provider_(provider) {
     // Most wanted first: CUDA memory (FI_HMEM, every provider: efa, and shm and tcp where libfabric was built with
     // CUDA) and, on efa, FI_SOURCE (names senders of 4-byte immediates). Without FI_HMEM only host memory registers.
     InfoPtr list;
     const bool efa = provider == "efa";
     const char* want = std::getenv("JAX_MOE_FABRIC_HMEM");  // "0": never ask (host memory only)
-    const bool ask_hmem = want == nullptr || std::string(want) != "0";
+    const bool ask_hmem = !host_memory_only && (want == nullptr || std::string(want) != "0");
     for (int attempt = 0; attempt < 4 && !list; ++attempt) {
       const bool hmem = ask_hmem && attempt < 2, source = efa && attempt % 2 == 0;
       if ((!efa && source) || (!ask_hmem && attempt < 2)) continue;
@@ -473,8 +474,9 @@ class OfiBackend final : public Backend {
 }  // namespace
 }  // namespace ofi
 
-std::unique_ptr<Backend> OpenOfiBackend(const std::string& provider, int num_nics, const std::string& pci_bus_id) {
-  return std::make_unique<ofi::OfiBackend>(provider, num_nics, pci_bus_id);
+std::unique_ptr<Backend> OpenOfiBackend(const std::string& provider, int num_nics, const std::string& pci_bus_id,
+                                        bool host_memory_only) {
+  return std::make_unique<ofi::OfiBackend>(provider, num_nics, pci_bus_id, host_memory_only);
 }
 
 }  // namespace jax_moe::fabric
