@@ -43,7 +43,12 @@ def test_writes_into_gpu_memory_have_landed_when_their_immediate_is_seen(provide
     src_mem = cuda.DeviceMemory(biggest, 0) if source == "cuda" else None
     src_host = np.zeros(biggest, np.uint8)
     try:
-        mb = b.register_ptr(dst_mem.ptr, dst_mem.nbytes, device=0, dmabuf_fd=dst_mem.dmabuf_fd)
+        try:
+            mb = b.register_ptr(dst_mem.ptr, dst_mem.nbytes, device=0, dmabuf_fd=dst_mem.dmabuf_fd)
+        except RuntimeError as err:  # FI_HMEM granted for host memory only: a libfabric built without CUDA
+            if "configure --with-cuda" not in str(err):
+                raise
+            pytest.skip(f"this libfabric's {provider} cannot register CUDA memory: {err}")
         if src_mem is not None:
             ma = a.register_ptr(src_mem.ptr, src_mem.nbytes, device=0, dmabuf_fd=src_mem.dmabuf_fd)
         else:
