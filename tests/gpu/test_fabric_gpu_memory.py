@@ -12,8 +12,10 @@ import pytest
 fabric = pytest.importorskip("jax_moe.fabric")
 from jax_moe import _core  # noqa: E402
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(getattr(_core, "cuda", None) is None, reason="built without CUDA")]
+from jax_moe.backends.cuda import CudaBackend  # noqa: E402
+
+_why = CudaBackend.unavailable_reason()  # no GPU, or built without CUDA
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_why is not None, reason=f"no CUDA GPU here: {_why}")]
 
 SIZES = (64, 4096, 4097, 70001, 1 << 20, (3 << 20) + 5)
 
