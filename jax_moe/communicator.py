@@ -75,9 +75,10 @@ class Communicator:
     fabric_provider: TransferEngine provider between processes ("auto", "tcp", "shm", "efa", "verbs"; default
       $JAX_MOE_FABRIC_PROVIDER or "auto").
     fabric_memory: "cuda" only: where the areas that ranks on other nodes write into live: "device" (GPU memory
-      registered with the provider, FI_HMEM with CUDA, or an error saying why not; experimental: see docs/cuda.md),
-      "host" (pinned host memory), "auto" (host memory for now, the verified path). Default $JAX_MOE_FABRIC_MEMORY,
-      else "auto". `comm.backend.fabric_info()` says which was used.
+      that the NIC reads and writes: efa or verbs with a libfabric built with CUDA; refused, saying why, elsewhere:
+      shm and tcp cannot carry GPU memory while a kernel waits for it, see docs/cuda.md), "host" (pinned host memory),
+      "auto" (host memory for now, the verified path). Default $JAX_MOE_FABRIC_MEMORY, else "auto".
+      `comm.backend.fabric_info()` says which was used and, for "auto", why not GPU memory ("fallback").
     ranks_per_node: "cuda" only: treat consecutive groups of this many ranks as one node (default
       $JAX_MOE_RANKS_PER_NODE, else one node per host). Ranks of one node reach each other over NVLink; ranks of
       other nodes through the host proxy and the TransferEngine (fabric_provider). For tests on one host, and for

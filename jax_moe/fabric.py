@@ -111,15 +111,18 @@ class TransferEngine:
     num_nics: domains to open; a peer set's members are sharded over them.
     fake_device_memory: tests without a GPU: register_ptr(..., device=k) takes host memory and carries it as a
       device region (its `registration` says so), so that the paths for device regions run on CPU.
+    host_memory_only: never ask the provider for GPU memory (FI_HMEM): shm then keeps its single-copy path between
+      processes, which it turns off for every transfer once FI_HMEM is granted; device memory is refused.
     """
 
     def __init__(self, provider: str = "auto", num_nics: int = 1, *, progress_cpu: int = -1,
-                 busy_poll: bool = False, fake_device_memory: bool = False):
+                 busy_poll: bool = False, fake_device_memory: bool = False, host_memory_only: bool = False):
         if not isinstance(provider, str):
             raise ValueError("provider must be a string")
         if int(num_nics) < 1:
             raise ValueError(f"num_nics must be >= 1, got {num_nics}")
-        self._eng = _f.Engine(provider, int(num_nics), int(progress_cpu), bool(busy_poll), bool(fake_device_memory))
+        self._eng = _f.Engine(provider, int(num_nics), int(progress_cpu), bool(busy_poll), bool(fake_device_memory),
+                              bool(host_memory_only))
         self._peer_sets: dict[int, int] = {}  # peer set id -> member count
         self._max_imm = int(self._eng.max_imm)
         self._closed = False

@@ -215,10 +215,11 @@ class CudaBackend(NativeBackend):
         shapes = self._mod.launch_shapes(self.native_id, self._local()[0].local_id, int(tokens))
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in shapes.items()}
 
-    def fabric_trace(self, rounds: int) -> dict[int, list[tuple[int, int, int]]]:
-        """Per local GPU ordinal: for the first `rounds` dispatch rounds, when its proxy saw the bell, posted, and
-        flagged the arrival (steady-clock ns). For the benchmark's breakdown."""
-        return {d.local_id: list(self._mod.fabric_trace(self.native_id, d.local_id, rounds)) for d in self._local()}
+    def fabric_trace(self, rounds: int, stream: int = 0) -> dict[int, list[tuple[int, int, int]]]:
+        """Per local GPU ordinal: for the first `rounds` rounds of `stream` (0 dispatch, 1 combine), when its proxy
+        saw the bell, posted, and flagged the arrival (steady-clock ns). For the benchmark's breakdown."""
+        return {d.local_id: list(self._mod.fabric_trace(self.native_id, d.local_id, rounds, stream))
+                for d in self._local()}
 
     @classmethod
     def _free(cls, native_id: int) -> None:

@@ -14,12 +14,19 @@ from jax_moe.backends.native import native_module
 
 
 def fabric_breakdown(comm, rounds: int) -> Optional[dict]:
-    """The host proxies' view of the dispatch rounds (every process's trace, steady clock, one host): bell seen ->
-    posted on the sender, sender posted -> arrival flagged on the receiver (the wire, the remote completion and the
-    receiving proxy's pass). Median us over rounds; None without remote ranks."""
+    """The host proxies' view of the dispatch and the combine rounds: {"dispatch": ..., "combine": ...} (see
+    _breakdown), None without remote ranks."""
     if not hasattr(comm.backend, "fabric_trace"):
         return None
-    traces = multihost.share(comm.backend.fabric_trace(rounds))  # per process: {gpu: [(seen, posted, flagged)]}
+    out = {op: _breakdown(comm, rounds, stream) for stream, op in enumerate(("dispatch", "combine"))}
+    return out if any(out.values()) else None
+
+
+def _breakdown(comm, rounds: int, stream: int) -> Optional[dict]:
+    """One stream's rounds (every process's trace, steady clock, one host): bell seen -> posted on the sender, sender
+    posted -> arrival flagged on the receiver (the wire, the remote completion and the receiving proxy's pass), and
+    the skew of the rounds' bells between GPUs (how much later the last GPU's device rang). Median us over rounds."""
+    traces = multihost.share(comm.backend.fabric_trace(rounds, stream))  # per process: {gpu: [(seen, posted, flagged)]}
     per_gpu = [np.asarray(t, np.int64) for proc in traces for t in proc.values() if len(t)]
     if len(per_gpu) < 2:
         return None
@@ -35,7 +42,8 @@ def fabric_breakdown(comm, rounds: int) -> Optional[dict]:
     arrive = (tr[:, :, 2] - others) / 1e3
     return {"rounds": int(tr.shape[1]), "bell_seen_to_posted_us": float(np.median(post)),
             "posted_to_remote_flag_us": float(np.median(arrive)),
-            "posted_to_remote_flag_p99_us": float(np.percentile(arrive, 99))}
+            "posted_to_remote_flag_p99_us": float(np.percentile(arrive, 99)),
+            "bell_skew_us": float(np.median((tr[:, :, 0].max(axis=0) - tr[:, :, 0].min(axis=0)) / 1e3))}
 
 
 _TRACE_HALVES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")

@@ -80,7 +80,10 @@ CpuComm::CpuComm(const CommOptions& options, const std::vector<RankInfo>& table,
     setup(rank->dispatch, "dispatch", true, s.dispatch_row_bytes());
     setup(rank->combine, "combine", false, s.combine_row_bytes());
     if (remote) {
-      rank->engine = proxy::AcquireEngine("cpu:" + std::to_string(rank->info.device_id), options_.provider);
+      fabric::EngineOptions engine_options;
+      engine_options.host_memory_only = true;  // the inboxes are host memory: shm keeps its single-copy path
+      rank->engine = proxy::AcquireEngine("cpu:" + std::to_string(rank->info.device_id), options_.provider,
+                                          engine_options);
       Require(rank->engine->max_imm() == UINT32_MAX,
               "CpuComm: the fabric provider carries " + std::to_string(rank->engine->max_imm()) +
                   " as its largest immediate; the cpu backend needs 32-bit immediates");

@@ -107,6 +107,9 @@ DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, co
   try {
     fabric::EngineOptions options;
     options.busy_poll = true;  // the proxy thread of a GPU spins: every microsecond it naps is on the data path
+    // Providers that copy GPU memory themselves never carry our GPU areas (Open): not asking them for FI_HMEM keeps
+    // shm's single-copy path for the host areas.
+    options.host_memory_only = CopiesGpuMemory(provider);
     options.progress_cpu = proxy_cpu_ = ProxyCpu(ordinal);
     char bus[32] = {};  // the GPU's PCI address: its engine opens the NICs nearest to it (fabric/nic_topology.h)
     if (cudaDeviceGetPCIBusId(bus, sizeof(bus), ordinal) == cudaSuccess) {
@@ -137,7 +140,11 @@ std::pair<Area, std::shared_ptr<fabric::MemoryRegion>> DeviceFabric::NewArea(siz
     fabric::MemorySpec spec;
     spec.device = ordinal_;
     spec.dmabuf_fd = area.hbm->dmabuf_fd();
-    mr = engine_->Register(area.hbm->data(), bytes, spec);
+    try {
+      mr = engine_->Register(area.hbm->data(), bytes, spec);
+    } catch (const jax_moe::Error& e) {
+      Throw(e.code(), std::string("jax_moe cuda: fabric_memory=\"device\": ") + e.what());
+    }
   } else {
     area.pinned = std::make_unique<PinnedBuffer>(bytes);
     mr = engine_->Register(area.pinned->host(), bytes);
@@ -147,16 +154,30 @@ std::pair<Area, std::shared_ptr<fabric::MemoryRegion>> DeviceFabric::NewArea(siz
 
 void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory) {
   // GPU memory only when asked for (fabric_memory="device"): the NIC then writes the rows where the receive kernels
-  // read them (HBM), instead of into host memory that every kernel read crosses PCIe for. Not the default yet: on
-  // libfabric 2.6's shm (the only provider with CUDA on the test machine) receivers read stale rows and the decode
-  // benchmark timed out (docs/cuda.md, "GPU memory on the wire"), so "auto" keeps the verified host staging. A refusal
-  // of the first registration (a libfabric without CUDA) is an error naming the reason.
+  // read them (HBM), instead of into host memory that every kernel read crosses PCIe for. "auto" keeps the verified
+  // host staging and says why (docs/cuda.md, "GPU memory on the wire"):
+  // - shm and tcp copy GPU memory with cudaMemcpy on the proxy thread, and a receiver's copy into HBM does not finish
+  //   while its receive kernel waits on the GPU for that very data (measured on libfabric 2.6 shm: one progress poll
+  //   blocked until the kernel's timeout gave up). So they cannot carry GPU memory at all: "device" is refused.
+  // - efa and verbs move HBM by DMA without CUDA calls on that thread, but have not run on an RDMA NIC yet.
   on_gpu_ = memory == AreaMemory::kDevice;
-  if (on_gpu_ && !engine_->supports_device_memory()) {
+  if (copies_gpu_memory()) {
+    fallback_ = "provider " + engine_->provider() + " copies GPU memory with CUDA calls on the proxy thread, which do "
+                "not complete while a receive kernel waits for them";
+  } else if (!engine_->supports_device_memory()) {
     fallback_ = "provider " + engine_->provider() + " did not grant FI_HMEM";
-    on_gpu_ = false;
+  } else {
+    fallback_ = "GPU memory on the wire has not run on an RDMA NIC yet: fabric_memory=\"device\" opts in";
   }
-  if (on_gpu_) visibility_ = VisibilityOf(ordinal_);
+  if (on_gpu_ && (copies_gpu_memory() || !engine_->supports_device_memory())) {
+    Throw(ErrorCode::kUnavailable, "jax_moe cuda: fabric_memory=\"device\" is not possible here: " + fallback_ +
+                                       "; use fabric_memory=\"host\" (pinned host memory), or a NIC provider (efa, "
+                                       "verbs) with a libfabric built with CUDA");
+  }
+  if (on_gpu_) {
+    fallback_.clear();
+    visibility_ = VisibilityOf(ordinal_);
+  }
   // Streams: dispatch, combine channel 0, combine channel 1. The two combine channels share the immediate kinds and
   // differ in their id (bit 14), so their arrivals and credits are counted apart.
   const uint32_t id = id_;
@@ -172,20 +193,7 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory) {
     st.comm_id = id | (i == 2 ? 0x4000u : 0u);
     const proxy::Lanes lanes{n, kFabricLanes, st.region};
     st.words = std::make_unique<PinnedBuffer>(sizeof(uint64_t) * (proxy::kBellWords + kFabricLanes * n));
-    if (i == 0 && on_gpu_) {
-      try {
-        std::tie(st.send, st.send_mr) = NewArea(lanes.buffer_bytes());
-      } catch (const jax_moe::Error& e) {
-        if (e.code() != ErrorCode::kUnavailable || memory == AreaMemory::kDevice) {
-          Throw(e.code(), std::string("jax_moe cuda: fabric_memory=\"device\": ") + e.what());
-        }
-        fallback_ = e.what();
-        on_gpu_ = false;
-        st.send = Area{};
-        st.send_mr.reset();
-      }
-    }
-    if (!st.send_mr) std::tie(st.send, st.send_mr) = NewArea(lanes.buffer_bytes());
+    std::tie(st.send, st.send_mr) = NewArea(lanes.buffer_bytes());
     std::tie(st.recv, st.recv_mr) = NewArea(lanes.buffer_bytes());
     proxy::ChannelConfig config;
     config.name = names[i];
@@ -198,12 +206,6 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory) {
         config, remote_, engine_, &here_,
         [](uint64_t) -> proxy::Block { Throw(ErrorCode::kInternal, "DeviceFabric: the device packs its regions"); },
         mu_, cv_);
-  }
-  if (!fallback_.empty() && memory == AreaMemory::kDevice) {
-    Throw(ErrorCode::kUnavailable, "jax_moe cuda: fabric_memory=\"device\" but " + fallback_);
-  }
-  if (!fallback_.empty()) {
-    JAX_MOE_LOG(kInfo, "jax_moe cuda: GPU %d's fabric areas in pinned host memory: %s", ordinal_, fallback_.c_str());
   }
   if (on_gpu_ && visibility_ == RdmaVisibility::kUnavailable) {
     JAX_MOE_LOG(kWarn, "jax_moe cuda: GPU %d neither orders nor flushes GPUDirect RDMA writes; a NIC's writes may "
@@ -219,11 +221,7 @@ std::string DeviceFabric::MemoryName() const {
 }
 
 std::string DeviceFabric::VisibilityName() const {
-  if (!on_gpu_) return "n/a";
-  if (engine_->provider() == "shm" || engine_->provider() == "tcp") {
-    return "the provider copies with cudaMemcpy: the proxy waits for its copies before each arrival flag";
-  }
-  return cuda::VisibilityName(visibility_);
+  return on_gpu_ ? cuda::VisibilityName(visibility_) : "n/a";
 }
 
 DeviceFabric::~DeviceFabric() {
@@ -298,33 +296,60 @@ void DeviceFabric::Connect(const std::vector<RemoteEndpoint>& peers, std::functi
     uint64_t* words = reinterpret_cast<uint64_t*>(st.words->host());
     links.push_back({st.channel.get(), st.send_mr.get(), words, words + proxy::kBellWords});
   }
-  // Before an arrival flag, what makes the round's bytes in GPU memory visible to the receive kernels:
-  // - shm and tcp move GPU memory with cudaMemcpy on this very thread (libfabric's hmem copies), and report the write
-  //   done once the copy is issued: a device-to-device cudaMemcpy does not wait for its copy, nor does one from
-  //   pageable host memory wait for its DMA. So the proxy waits for the legacy stream they use (XLA's streams are
-  //   non-blocking: this waits for no kernel of ours). For the same reason the sender's area is reused only once the
-  //   receivers read it (sent_when_read), not when the write completed.
-  // - a NIC's RDMA writes (efa, verbs) need a flush only where the GPU does not order them (visibility_).
-  const bool copies = on_gpu_ && (engine_->provider() == "shm" || engine_->provider() == "tcp");
-  const bool flushes = on_gpu_ && !copies && visibility_ == RdmaVisibility::kFlush;
-  std::function<void()> before_arrival;
-  if (copies || flushes) {
+  // Before an arrival flag: a NIC's RDMA writes into GPU memory need a flush only where the GPU does not order them
+  // (visibility_); providers that copy GPU memory themselves never get GPU areas (Open).
+  proxy::Pump::Hooks hooks;
+  if (on_gpu_ && visibility_ == RdmaVisibility::kFlush) {
     const int ordinal = ordinal_;
-    before_arrival = [ordinal, copies] {  // on the engine's progress thread, which serves this GPU only
+    hooks.before_arrival = [ordinal](size_t, uint64_t) {  // on the engine's progress thread, which serves this GPU only
       static thread_local int current = -1;
       if (current != ordinal) {
         Check(cudaSetDevice(ordinal), "cudaSetDevice(proxy thread)");
         current = ordinal;
       }
-      if (copies) {
-        Check(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize(the provider's copies)");
-      } else {
-        FlushRdmaWrites();
-      }
+      FlushRdmaWrites();
     };
   }
-  pump_ = std::make_unique<proxy::Pump>(std::move(links), timeout_s_, std::move(name), false, std::move(before_arrival),
-                                        copies);
+  if (const char* env = std::getenv("JAX_MOE_FABRIC_INSPECT"); env != nullptr && std::string(env) == "1") {
+    hooks.before_post = [this](size_t link, uint64_t round) { Inspect(link, round, /*received=*/false); };
+    auto arrival = std::move(hooks.before_arrival);
+    hooks.before_arrival = [this, arrival](size_t link, uint64_t round) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (arrival) arrival(link, round);
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      if (ms > 1) JAX_MOE_LOG(kWarn, "inspect: the wait before flagging round %llu took %.1f ms", (unsigned long long)round, ms);
+      Inspect(link, round, /*received=*/true);
+      const fabric::EngineStats es = engine_->Stats();  // a provider call that blocked shows as a long phase
+      JAX_MOE_LOG(kWarn, "inspect: longest progress phases so far: poll %.1f ms, hooks %.1f ms, post %.1f ms",
+                  es.longest_poll_ns / 1e6, es.longest_hooks_ns / 1e6, es.longest_post_ns / 1e6);
+    };
+  }
+  pump_ = std::make_unique<proxy::Pump>(std::move(links), timeout_s_, std::move(name), false, std::move(hooks));
+}
+
+// Reads, as a copy engine sees them (GPU memory: on a non-blocking stream of its own), the headers of `round`'s
+// regions in stream `link`'s send area (before the pump posts them) or receive area (before it raises their arrival),
+// and logs every one that is not that round's from the expected rank: where GPU memory on the wire goes wrong.
+void DeviceFabric::Inspect(size_t link, uint64_t round, bool received) const {
+  const Stream& st = streams_[link];
+  const proxy::Lanes lanes{shape_.num_ranks, kFabricLanes, st.region};
+  const Area& area = received ? st.recv : st.send;
+  for (int p = 0; p < shape_.num_ranks; ++p) {
+    if (!remote_[p]) continue;
+    const uint64_t at = lanes.Offset(round, p);  // p's region in either area: the one we send it, or it sent us
+    proxy::RegionHeader h{};
+    if (area.hbm) {
+      area.hbm->Download(at, &h, sizeof(h));
+    } else {
+      std::memcpy(&h, area.pinned->host() + at, sizeof(h));
+    }
+    // Without the counts check: a dispatch region's counts are entries per expert, its rows token records.
+    const std::string wrong = proxy::CheckHeader(h, shape_, st.comm_id, round, received ? p : rank_, false);
+    const double now = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    JAX_MOE_LOG(kWarn, "inspect %.6f %s %s round %llu %s rank %d: %s (seq %llu, rows %d)", now,
+                link == 0 ? "dispatch" : "combine", received ? "arrived" : "posting", (unsigned long long)round,
+                received ? "from" : "to", p, wrong.empty() ? "ok" : wrong.c_str(), (unsigned long long)h.seq, h.rows);
+  }
 }
 
 void DeviceFabric::Fill(KernelArgs& a) const {
@@ -355,8 +380,8 @@ uint64_t DeviceFabric::BytesAllocated() const {
   return total;
 }
 
-std::vector<std::array<int64_t, 3>> DeviceFabric::Trace() const {
-  return pump_ ? pump_->Trace() : std::vector<std::array<int64_t, 3>>{};
+std::vector<std::array<int64_t, 3>> DeviceFabric::Trace(int stream) const {
+  return pump_ && stream >= 0 ? pump_->Trace(size_t(stream)) : std::vector<std::array<int64_t, 3>>{};
 }
 
 }  // namespace jax_moe::cuda

@@ -21,6 +21,7 @@
 #include "proxy/channel.h"
 #include "proxy/engine_pool.h"
 #include "proxy/pump.h"
+#include "proxy/region_header.h"
 
 namespace jax_moe::cuda {
 
@@ -98,11 +99,17 @@ class DeviceFabric {
   const std::string& fallback_reason() const { return fallback_; }
   // What the proxy does so that NIC writes into GPU memory are visible to the kernels (areas on the GPU only).
   std::string VisibilityName() const;
-  // Per round of the dispatch stream: when the pump saw the bell, posted, flagged arrival (steady-clock ns).
-  std::vector<std::array<int64_t, 3>> Trace() const;
+  // Per round of a stream (0 dispatch, 1 and 2 the combine channels): when the pump saw the bell, posted, flagged
+  // arrival (steady-clock ns).
+  std::vector<std::array<int64_t, 3>> Trace(int stream) const;
 
  private:
   void Open(int64_t n, int rank, AreaMemory memory);  // the streams' areas, registrations and channels
+  // The provider moves GPU memory with cudaMemcpy on the proxy thread (shm, tcp), not with a NIC's DMA.
+  static bool CopiesGpuMemory(const std::string& provider) { return provider == "shm" || provider == "tcp"; }
+  bool copies_gpu_memory() const { return CopiesGpuMemory(engine_->provider()); }
+  // $JAX_MOE_FABRIC_INSPECT=1: logs the headers of a round's regions before posting / flagging them.
+  void Inspect(size_t link, uint64_t round, bool received) const;
   // A stream's area of `bytes` and its registration, on the GPU when on_gpu_.
   std::pair<Area, std::shared_ptr<fabric::MemoryRegion>> NewArea(size_t bytes);
   struct Stream {

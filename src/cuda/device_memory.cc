@@ -70,6 +70,29 @@ DeviceMemory::~DeviceMemory() {
   }
 }
 
+namespace {
+// One cudaMemcpyAsync on a fresh non-blocking stream, waited for; the range is checked against the allocation.
+void CopyOnOwnStream(void* dst, const void* src, size_t n, int ordinal) {
+  DeviceScope scope(ordinal);
+  cudaStream_t stream = nullptr;
+  Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  cudaError_t err = cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, stream);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+  cudaStreamDestroy(stream);
+  Check(err, "cudaMemcpyAsync(DeviceMemory)");
+}
+}  // namespace
+
+void DeviceMemory::Upload(size_t offset, const void* src, size_t n) const {
+  if (offset > size_ || n > size_ - offset) Throw(ErrorCode::kInvalidArgument, "DeviceMemory.upload: out of range");
+  CopyOnOwnStream(data_ + offset, src, n, ordinal_);
+}
+
+void DeviceMemory::Download(size_t offset, void* dst, size_t n) const {
+  if (offset > size_ || n > size_ - offset) Throw(ErrorCode::kInvalidArgument, "DeviceMemory.download: out of range");
+  CopyOnOwnStream(dst, data_ + offset, n, ordinal_);
+}
+
 RdmaVisibility VisibilityOf(int ordinal) {
   int ordering = 0, options = 0;
   Check(cudaDeviceGetAttribute(&ordering, cudaDevAttrGPUDirectRDMAWritesOrdering, ordinal),

@@ -19,6 +19,10 @@ class DeviceMemory {
   int ordinal() const { return ordinal_; }
   // A dmabuf of [data(), data() + size()) rounded up to whole host pages, or -1 (no dmabuf support here).
   int dmabuf_fd() const { return dmabuf_fd_; }
+  // Copies into / out of [offset, offset + n) on a non-blocking stream, as a kernel on XLA's streams would see the
+  // memory: not ordered after the legacy stream, where providers make their own copies (tests of the wire use it).
+  void Upload(size_t offset, const void* src, size_t n) const;
+  void Download(size_t offset, void* dst, size_t n) const;
 
  private:
   uint8_t* data_ = nullptr;

@@ -89,6 +89,7 @@ class Backend {
 // Opens the backend named by `provider` ("auto", "efa", "verbs", "tcp", "shm", "ibverbs") with `num_nics`
 // domains. With `pci_bus_id` (the GPU the engine serves) the NICs nearest that GPU on the PCIe tree are opened first
 // (nic_topology.h); empty: enumeration order. Throws Error(kUnavailable) when it cannot.
-std::unique_ptr<Backend> OpenBackend(const std::string& provider, int num_nics, const std::string& pci_bus_id = "");
+std::unique_ptr<Backend> OpenBackend(const std::string& provider, int num_nics, const std::string& pci_bus_id = "",
+                                     bool host_memory_only = false);
 
 }  // namespace jax_moe::fabric

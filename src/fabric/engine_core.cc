@@ -24,7 +24,7 @@ uint64_t MakeNonce() {
 
 EngineCore::EngineCore(const EngineOptions& options) : options_(options) {
   Require(options.num_nics >= 1 && options.num_nics <= 16, "num_nics must be in [1, 16]");
-  backend_ = OpenBackend(options.provider, options.num_nics, options.pci_bus_id);
+  backend_ = OpenBackend(options.provider, options.num_nics, options.pci_bus_id, options.host_memory_only);
   num_nics_ = backend_->num_nics();
   caps_.provider = backend_->provider();
   caps_.max_imm = backend_->max_imm();
@@ -121,6 +121,9 @@ EngineStats EngineCore::Stats() const {
   s.poll_ns = ns * double(profile_.ticks[PassProfile::kPoll].load(std::memory_order_relaxed));
   s.hooks_ns = ns * double(profile_.ticks[PassProfile::kHooks].load(std::memory_order_relaxed));
   s.post_ns = ns * double(profile_.ticks[PassProfile::kPost].load(std::memory_order_relaxed));
+  s.longest_poll_ns = ns * double(profile_.longest[PassProfile::kPoll].load(std::memory_order_relaxed));
+  s.longest_hooks_ns = ns * double(profile_.longest[PassProfile::kHooks].load(std::memory_order_relaxed));
+  s.longest_post_ns = ns * double(profile_.longest[PassProfile::kPost].load(std::memory_order_relaxed));
   return s;
 }
 

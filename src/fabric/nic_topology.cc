@@ -1,5 +1,7 @@
 #include "fabric/nic_topology.h"
 
+#include "common/log.h"
+
 #include <stdlib.h>  // realpath (POSIX)
 
 #include <algorithm>
@@ -159,6 +161,23 @@ std::vector<int> PciLocalCpus(const std::string& bus_id, const std::string& sysf
   std::string line;
   if (!in || !std::getline(in, line)) return {};
   return ParseCpuList(line);
+}
+
+std::vector<int> OrderNicsForGpu(const std::string& who, const std::string& gpu_bus_id,
+                                 const std::vector<std::string>& names, const std::vector<std::string>& paths,
+                                 int opened, const std::string& sysfs_root) {
+  const std::string gpu = PciSysfsPath(gpu_bus_id, sysfs_root);
+  if (gpu.empty()) JAX_MOE_LOG(kWarn, "%s: GPU %s not found in sysfs: NICs in enumeration order", who.c_str(), gpu_bus_id.c_str());
+  const std::vector<int> order = RankNics(gpu, paths);
+  std::string chosen;
+  for (size_t j = 0; j < order.size() && int(j) < opened; ++j) {
+    const int i = order[j];
+    chosen += Format("%s%s (%s)", chosen.empty() ? "" : ", ", names[i].c_str(),
+                     paths[i].empty() ? "no PCI path" : paths[i].c_str());
+  }
+  JAX_MOE_LOG(kInfo, "%s: GPU %s: %zu of %zu NICs nearest; opening %s", who.c_str(), gpu_bus_id.c_str(),
+              NearestNics(gpu, paths).size(), paths.size(), chosen.c_str());
+  return order;
 }
 
 }  // namespace jax_moe::fabric

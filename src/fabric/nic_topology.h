@@ -33,6 +33,13 @@ std::vector<int> NearestNics(const std::string& gpu_path, const std::vector<std:
 std::vector<int> NicsForGpu(const std::string& gpu_bus_id, const std::vector<std::string>& nic_bus_ids,
                             const std::string& sysfs_root = "/sys");
 
+// The order in which an engine of the GPU at `gpu_bus_id` opens its NICs: RankNics of their sysfs `paths` (empty:
+// unknown, ranked last), logging under `who` ("ofi efa", "verbs") how many are nearest and which `opened` are taken
+// (`names`: the NICs' names). The input order, with a warning, when the GPU is not found in sysfs.
+std::vector<int> OrderNicsForGpu(const std::string& who, const std::string& gpu_bus_id,
+                                 const std::vector<std::string>& names, const std::vector<std::string>& paths,
+                                 int opened, const std::string& sysfs_root = "/sys");
+
 // The CPUs local to a PCI device (its NUMA node: <sysfs_root>/bus/pci/devices/<id>/local_cpulist, "0-15,32-47"),
 // ascending; empty when unknown. A GPU's proxy thread runs there by default: its polls of host-mapped words and its
 // copies stay on the GPU's and NIC's socket.

@@ -22,6 +22,7 @@ inline uint64_t Ticks() {
 struct PassProfile {
   enum Phase { kPoll, kHooks, kPost, kPhases };
   std::atomic<uint64_t> ticks[kPhases] = {};
+  std::atomic<uint64_t> longest[kPhases] = {};  // the longest single lap of each phase: a call that blocked
   std::atomic<uint64_t> pass_ticks{0};
   std::atomic<uint64_t> passes{0};
   // Ticks to ns: measured between construction and the read.
@@ -41,6 +42,8 @@ class PassClock {
   void Lap(PassProfile::Phase phase) {
     const uint64_t t = Ticks();
     Add(p_.ticks[phase], t - last_);
+    if (t - last_ > p_.longest[phase].load(std::memory_order_relaxed))
+      p_.longest[phase].store(t - last_, std::memory_order_relaxed);
     last_ = t;
   }
   void Pass() {

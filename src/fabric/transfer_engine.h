@@ -55,6 +55,9 @@ struct EngineOptions {
   // Tests without a GPU: device-memory registrations are taken as host memory (Registration::kFakeDevice), so the
   // paths that carry device regions run on CPU. Never set for real CUDA memory.
   bool fake_device_memory = false;
+  // Never ask the provider for FI_HMEM: only host memory will be registered. shm then keeps its single-copy path
+  // between processes (CMA), which it turns off for every transfer once FI_HMEM is granted.
+  bool host_memory_only = false;
   // PCI bus id of the GPU this engine serves ("0000:18:00.0", cudaDeviceGetPCIBusId's form): the NICs nearest it on
   // the PCIe tree are opened first, so each GPU of a node sends through its own NICs. Empty: enumeration order.
   std::string pci_bus_id;
@@ -105,6 +108,7 @@ struct EngineStats {
   // The progress thread: passes made, and ns spent in them (naps excluded), in all and per phase.
   uint64_t progress_passes = 0;
   double progress_ns = 0, poll_ns = 0, hooks_ns = 0, post_ns = 0;
+  double longest_poll_ns = 0, longest_hooks_ns = 0, longest_post_ns = 0;  // the longest single phase of a pass
 };
 
 class TransferEngine {

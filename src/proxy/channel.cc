@@ -77,13 +77,6 @@ bool Channel::CreditOk(int64_t peer, uint64_t round) {
   return credits >= earlier;
 }
 
-bool Channel::ReadByReceivers(uint64_t round) {
-  for (int32_t p : remote_ranks_) {
-    if (!CreditOk(p, round + lanes().count)) return false;  // the next round of its lane may be posted: it was read
-  }
-  return true;
-}
-
 void Channel::Send(uint64_t round, const std::vector<int32_t>& rows, const Fill& fill) {
   const int64_t n = lanes().num_ranks;
   std::vector<char> now(n);
@@ -159,10 +152,15 @@ void Channel::Post(uint64_t round, const fabric::MemoryRegion& src, const std::v
   }
 }
 
-bool Channel::PostArea(uint64_t round, const fabric::MemoryRegion& area, const uint64_t* bytes) {
+bool Channel::CanPost(uint64_t round) {
   for (int32_t p : remote_ranks_) {
     if (!CreditOk(p, round)) return false;
   }
+  return true;
+}
+
+bool Channel::PostArea(uint64_t round, const fabric::MemoryRegion& area, const uint64_t* bytes) {
+  if (!CanPost(round)) return false;
   if (remote_ranks_.empty()) return true;
   std::vector<uint64_t> offsets, lengths;
   for (int32_t p : remote_ranks_) {

@@ -94,10 +94,8 @@ class Channel {
   // rank p's region) to the remote ranks: false, posting nothing, while one of them has not given credit for it. For
   // a device that packs its own regions (a GPU through the Pump). Under the lock.
   bool PostArea(uint64_t round, const fabric::MemoryRegion& area, const uint64_t* bytes);
-  // Every remote receiver read `round` (gave its credit): its regions in the send area were read at the latest then,
-  // also by a provider that completes a write before its copy ran (shm's cudaMemcpy between GPU buffers). Under the
-  // lock.
-  bool ReadByReceivers(uint64_t round);
+  // Every remote receiver gave credit for `round`'s lane: PostArea would post it now.
+  bool CanPost(uint64_t round);
   // The lock the Proxy or Pump gave this channel.
   std::mutex& mu() const { return mu_; }
   // Delivers queued regions whose receivers gave credit since (the progress thread). Under the lock.

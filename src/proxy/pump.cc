@@ -11,7 +11,7 @@ namespace {
 uint64_t Load(const uint64_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
 void Store(uint64_t* word, uint64_t v) { __atomic_store_n(word, v, __ATOMIC_RELEASE); }
 
-constexpr uint64_t kTraceRounds = 1 << 16;
+constexpr uint64_t kTraceRounds = 1 << 14;
 
 int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -25,13 +25,12 @@ double Now() {
 }  // namespace
 
 Pump::Pump(std::vector<Link> links, double timeout_s, std::function<std::string(int64_t)> name, bool own_thread,
-           std::function<void()> before_arrival, bool sent_when_read)
-    : links_(std::move(links)), timeout_s_(timeout_s), name_(std::move(name)), before_arrival_(std::move(before_arrival)),
-      sent_when_read_(sent_when_read) {
+           Hooks hooks)
+    : links_(std::move(links)), timeout_s_(timeout_s), name_(std::move(name)), hooks_(std::move(hooks)) {
   Require(timeout_s > 0, "Pump: timeout must be positive");
   for (const Link& l : links_) Require(l.channel && l.area && l.bell && l.bytes, "Pump: incomplete link");
   states_.resize(links_.size());
-  trace_.assign(kTraceRounds, {0, 0, 0});
+  traces_.assign(links_.size(), std::vector<std::array<int64_t, 3>>(kTraceRounds, {0, 0, 0}));
   fabric::TransferEngine* engine = links_.empty() ? nullptr : links_[0].channel->engine();
   for (const Link& l : links_) engine = l.channel->engine() == engine ? engine : nullptr;
   if (engine && !own_thread) {
@@ -71,9 +70,10 @@ void Pump::DrainOrThrow(double bound_s) {
   }
 }
 
-std::vector<std::array<int64_t, 3>> Pump::Trace() const {
-  std::lock_guard<std::mutex> lock(links_[0].channel->mu());
-  return trace_;
+std::vector<std::array<int64_t, 3>> Pump::Trace(size_t link) const {
+  if (link >= links_.size()) return {};
+  std::lock_guard<std::mutex> lock(links_[link].channel->mu());
+  return traces_[link];
 }
 
 std::string Pump::error() const {
@@ -105,29 +105,26 @@ bool Pump::Step(Link& link, State& st) {
   bool moved = false;
   const uint64_t rung = Load(link.bell + kRung);
   const Lanes& lanes = ch.lanes();
-  const bool traced = &link == &links_[0];
-  if (traced && rung > 0 && rung <= kTraceRounds && trace_[rung - 1][0] == 0) trace_[rung - 1][0] = NowNs();
-  while (st.posted < rung &&
+  const size_t index = size_t(&link - links_.data());
+  auto& trace = traces_[index];
+  if (rung > 0 && rung <= kTraceRounds && trace[rung - 1][0] == 0) trace[rung - 1][0] = NowNs();
+  while (st.posted < rung && ch.CanPost(st.posted + 1) &&
+         (!hooks_.before_post || (hooks_.before_post(index, st.posted + 1), true)) &&
          ch.PostArea(st.posted + 1, *link.area, link.bytes + lanes.Lane(st.posted + 1) * lanes.num_ranks)) {
     ++st.posted;
-    if (traced && st.posted <= kTraceRounds) trace_[st.posted - 1][1] = NowNs();
+    if (st.posted <= kTraceRounds) trace[st.posted - 1][1] = NowNs();
     ch.NextSendRound();
     moved = true;
   }
   // The channel's own writes, not the engine's: other Communicators' pumps post through the same engine.
-  if (Load(link.bell + kSent) < st.posted && ch.SendsInFlight() == 0 &&
-      (!sent_when_read_ || ch.ReadByReceivers(st.posted))) {
+  if (Load(link.bell + kSent) < st.posted && ch.SendsInFlight() == 0) {
     Store(link.bell + kSent, st.posted);
     moved = true;
   }
-  bool flushed = false;
   while (ch.Arrived(st.flagged + 1, nullptr)) {  // no list of who is missing on the data path: only for the error
-    if (before_arrival_ && !flushed) {  // once for every round flagged in this pass: it covers what completed before
-      before_arrival_();
-      flushed = true;
-    }
+    if (hooks_.before_arrival) hooks_.before_arrival(index, st.flagged + 1);
     Store(link.bell + kArrived, ++st.flagged);
-    if (traced && st.flagged <= kTraceRounds) trace_[st.flagged - 1][2] = NowNs();
+    if (st.flagged <= kTraceRounds) trace[st.flagged - 1][2] = NowNs();
     st.waiting_since = -1;
     moved = true;
   }

@@ -49,12 +49,16 @@ class Pump {
   };
   // `name(rank)` says where a rank runs, for errors. Starts serving at once.
   // own_thread: serve from a thread of its own even when one engine could host it (for comparison).
-  // before_arrival: run on the pump's thread before it raises an arrival flag (the device side's hook: a GPU whose
-  // NIC writes need a flush, or whose provider's copies must finish, before its kernels read them); null: nothing.
-  // sent_when_read: raise `sent` for a round only once every receiver read it, not when our writes completed: for a
-  // provider whose write completes before its copy out of the send area ran (shm between GPU buffers).
+  // What the device side runs on the pump's thread (null: nothing), with the link's index and the round:
+  // - before_arrival: before it raises a round's arrival flag (a GPU whose NIC writes need a flush, or whose
+  //   provider's copies must finish, before its kernels read them);
+  // - before_post: before it posts a round's regions (a check of what the device wrote, $JAX_MOE_FABRIC_INSPECT).
+  struct Hooks {
+    std::function<void(size_t link, uint64_t round)> before_arrival;
+    std::function<void(size_t link, uint64_t round)> before_post;
+  };
   Pump(std::vector<Link> links, double timeout_s, std::function<std::string(int64_t)> name, bool own_thread = false,
-       std::function<void()> before_arrival = nullptr, bool sent_when_read = false);
+       Hooks hooks = {});
   ~Pump();
   Pump(const Pump&) = delete;
   Pump& operator=(const Pump&) = delete;
@@ -67,9 +71,9 @@ class Pump {
   std::string error() const;
   // What kind of error it was (kTimeout: a peer was late; kPeerFailed: gone or bad data), when error() is not empty.
   ErrorCode error_code() const;
-  // Per round of link 0, steady-clock ns: when the pump saw the ring, posted the round, and flagged its arrival
-  // (0 where it has not happened). For the benchmark's breakdown; read after the pump is idle.
-  std::vector<std::array<int64_t, 3>> Trace() const;
+  // Per round of `link` (its first kTraceRounds), steady-clock ns: when the pump saw the ring, posted the round, and
+  // flagged its arrival (0 where it has not happened). For the benchmark's breakdown; read after the pump is idle.
+  std::vector<std::array<int64_t, 3>> Trace(size_t link = 0) const;
 
  private:
   struct State {
@@ -86,13 +90,12 @@ class Pump {
   std::vector<Link> links_;
   const double timeout_s_;
   std::function<std::string(int64_t)> name_;
-  std::function<void()> before_arrival_;
-  const bool sent_when_read_;
+  Hooks hooks_;
   mutable std::mutex error_mu_;
   std::string error_;
   ErrorCode error_code_ = ErrorCode::kInternal;
   std::vector<State> states_;
-  std::vector<std::array<int64_t, 3>> trace_;  // [round - 1]: seen, posted, arrived (link 0, first kTraceRounds)
+  std::vector<std::vector<std::array<int64_t, 3>>> traces_;  // [link][round - 1]: seen, posted, arrived
   fabric::TransferEngine* hooked_ = nullptr;  // the engine whose progress thread runs the pump, if any
   uint64_t hook_ = 0;                         // its hook id there
   std::atomic<bool> stop_{false};

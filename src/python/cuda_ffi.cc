@@ -52,7 +52,21 @@ void RegisterCuda(nb::module_& m) {
       .def_prop_ro("ptr", [](const jax_moe::cuda::DeviceMemory& m) { return reinterpret_cast<uintptr_t>(m.data()); })
       .def_prop_ro("nbytes", &jax_moe::cuda::DeviceMemory::size)
       .def_prop_ro("ordinal", &jax_moe::cuda::DeviceMemory::ordinal)
-      .def_prop_ro("dmabuf_fd", &jax_moe::cuda::DeviceMemory::dmabuf_fd);
+      .def_prop_ro("dmabuf_fd", &jax_moe::cuda::DeviceMemory::dmabuf_fd)
+      .def(
+          "upload",
+          [](const jax_moe::cuda::DeviceMemory& m, size_t offset, nb::bytes data) {
+            m.Upload(offset, data.c_str(), data.size());
+          },
+          "offset"_a, "data"_a, "Copies bytes in at offset (on a non-blocking stream of its own)")
+      .def(
+          "download",
+          [](const jax_moe::cuda::DeviceMemory& m, size_t offset, size_t n) {
+            std::string out(n, '\0');
+            m.Download(offset, out.data(), n);
+            return nb::bytes(out.data(), out.size());
+          },
+          "offset"_a, "nbytes"_a, "The bytes at [offset, offset + nbytes) (read on a non-blocking stream of its own)");
   cuda.def("handlers", []() {
     nb::dict d;
     d["jax_moe_cuda_dispatch_send"] = Capsule(JaxMoeCudaDispatchSend);
@@ -159,15 +173,17 @@ void RegisterCuda(nb::module_& m) {
       "its proxy thread (-1: not pinned).");
   cuda.def(
       "fabric_trace",
-      [](int64_t id, int ordinal, int rounds) {
+      [](int64_t id, int ordinal, int rounds, int stream) {
         auto dev = jax_moe::cuda::FindDevice(id, ordinal);
         std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
         if (!dev || !dev->fabric) return out;
-        auto t = dev->fabric->Trace();
+        auto t = dev->fabric->Trace(stream);
         for (int i = 0; i < rounds && i < int(t.size()); ++i) out.emplace_back(t[i][0], t[i][1], t[i][2]);
         return out;
       },
-      "Per dispatch round of a device's proxy: (bell seen, posted, arrival flagged), steady-clock ns (0: not yet).");
+      "id"_a, "ordinal"_a, "rounds"_a, "stream"_a = 0,
+      "Per round of a stream (0 dispatch, 1 combine, 2 the combine's gradient channel) of a device's proxy: (bell "
+      "seen, posted, arrival flagged), steady-clock ns (0: not yet).");
   // Without the GIL: teardown waits for the devices (and, bounded, for the peers' last acknowledgements).
   cuda.def("destroy_comm", &jax_moe::cuda::DestroyComm, nb::call_guard<nb::gil_scoped_release>());
   // At interpreter exit, before jax's own exit hooks: programs still running call into the Communicators.

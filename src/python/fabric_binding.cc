@@ -42,9 +42,11 @@ std::vector<uint64_t> Unsigned(const Offsets& a, const char* name) {
 
 class Engine {
  public:
-  Engine(const std::string& provider, int num_nics, int progress_cpu, bool busy_poll, bool fake_device_memory) {
+  Engine(const std::string& provider, int num_nics, int progress_cpu, bool busy_poll, bool fake_device_memory,
+         bool host_memory_only) {
     fabric::EngineOptions o;
     o.fake_device_memory = fake_device_memory;
+    o.host_memory_only = host_memory_only;
     o.provider = provider;
     o.num_nics = num_nics;
     o.progress_cpu = progress_cpu;
@@ -95,8 +97,8 @@ void RegisterFabric(nb::module_& m) {
       .def_prop_ro("registration", [](const Region& r) { return std::string(fabric::RegistrationName(r.mr->registration())); });
 
   nb::class_<Engine>(f, "Engine")
-      .def(nb::init<const std::string&, int, int, bool, bool>(), "provider"_a = "auto", "num_nics"_a = 1,
-           "progress_cpu"_a = -1, "busy_poll"_a = false, "fake_device_memory"_a = false,
+      .def(nb::init<const std::string&, int, int, bool, bool, bool>(), "provider"_a = "auto", "num_nics"_a = 1,
+           "progress_cpu"_a = -1, "busy_poll"_a = false, "fake_device_memory"_a = false, "host_memory_only"_a = false,
            nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("supports_device_memory", [](Engine& s) { return s.e().supports_device_memory(); })
       .def("address", [](Engine& s) { return ToBytes(s.e().Address()); })
@@ -195,6 +197,9 @@ void RegisterFabric(nb::module_& m) {
              d["poll_ns"] = st.poll_ns;
              d["hooks_ns"] = st.hooks_ns;
              d["post_ns"] = st.post_ns;
+             d["longest_poll_ns"] = st.longest_poll_ns;
+             d["longest_hooks_ns"] = st.longest_hooks_ns;
+             d["longest_post_ns"] = st.longest_post_ns;
              return d;
            })
       .def("close", &Engine::Close, nb::call_guard<nb::gil_scoped_release>());

@@ -160,6 +160,8 @@ void RegisterFabricTesting(nb::module_& m) {
   t.def("rank_nics", &RankNics, "gpu_path"_a, "nic_paths"_a);
   t.def("nearest_nics_by_path", &NearestNics, "gpu_path"_a, "nic_paths"_a);
   t.def("nearest_nics", &NicsForGpu, "gpu_bus_id"_a, "nic_bus_ids"_a, "sysfs_root"_a = "/sys");
+  t.def("order_nics_for_gpu", &OrderNicsForGpu, "who"_a, "gpu_bus_id"_a, "names"_a, "paths"_a, "opened"_a,
+        "sysfs_root"_a = "/sys");
   t.def("parse_cpu_list", &ParseCpuList, "list"_a);
   t.def("pci_local_cpus", &PciLocalCpus, "bus_id"_a, "sysfs_root"_a = "/sys");
 

@@ -62,6 +62,29 @@ def test_hmem_can_be_turned_off():
     assert "REFUSED" in out.stdout and "did not grant FI_HMEM" in out.stdout, out.stdout + out.stderr
 
 
+@pytest.mark.skipif("shm" not in AVAILABLE, reason="libfabric shm provider not available")
+def test_host_memory_only_engines_do_not_ask_for_gpu_memory():
+    """host_memory_only (the "cpu" backend's engines, and the cuda backend's on shm and tcp): FI_HMEM is not asked
+    for, so shm keeps its single-copy path; device memory is then refused, naming why. Here shm grants FI_HMEM when
+    asked, so the option is what turns it off."""
+    asked = fabric.TransferEngine("shm")
+    try:
+        granted = asked.supports_device_memory
+    finally:
+        asked.close()
+    e = fabric.TransferEngine("shm", host_memory_only=True)
+    try:
+        assert not e.supports_device_memory
+        buf = np.zeros(4096, np.uint8)
+        assert e.register(buf).registration == "host"
+        with pytest.raises(RuntimeError, match=r"provider shm did not grant FI_HMEM"):
+            e.register_ptr(buf.ctypes.data, buf.nbytes, device=0)
+    finally:
+        e.close()
+    if not granted:
+        pytest.skip("this libfabric's shm does not grant FI_HMEM even when asked: nothing was turned off")
+
+
 @needs_tcp
 def test_fake_device_regions_carry_data_and_their_flag():
     """Two engines that fake device memory: the regions are registered as host memory but described as device

@@ -84,6 +84,18 @@ def test_rank_prefers_same_switch_then_same_root_complex(tmp_path: Path) -> None
     assert T.rank_nics(T.pci_sysfs_path(gpus[5], root), nic_paths) == [1, 0, 2, 3]  # then the far ones, in order
 
 
+def test_engines_open_the_nics_of_their_gpu_first(tmp_path: Path) -> None:
+    """The order efa's and verbs' engines open NICs in (one function for both): each GPU's own NIC first; a NIC
+    without a PCI path last; a GPU that sysfs does not know keeps the enumeration order."""
+    fs, gpus, nics = dgx_like(tmp_path)
+    root = str(tmp_path)
+    paths = [T.pci_sysfs_path(n, root) for n in nics] + [""]
+    names = [f"nic{i}" for i in range(len(paths))]
+    assert [T.order_nics_for_gpu("test", g, names, paths, 1, root)[0] for g in gpus] == [3, 3, 2, 2, 1, 1, 0, 0]
+    assert T.order_nics_for_gpu("test", gpus[0], names, paths, 2, root) == [3, 2, 0, 1, 4]
+    assert T.order_nics_for_gpu("test", "0000:ee:00.0", names, paths, 2, root) == [0, 1, 2, 3, 4]
+
+
 def test_ties_keep_their_order(tmp_path: Path) -> None:
     fs = FakeSysfs(tmp_path)
     up = switch_chain(0x00, 1, 0x10)

@@ -138,10 +138,10 @@ if has hmem; then  # issue 25: libfabric 2.6 built with CUDA (carried in third_p
   export LIBFABRIC_ROOT=$LFI LD_LIBRARY_PATH=$LFI/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   stage hmem_build 400 bash -c 'python3 -m pip install --no-build-isolation --no-deps -e . \
     --config-settings=build-dir=build/lf26 && python3 -c "import jax_moe._core as c; print(\"jax_moe._core:\", c.build_info())"'
-  # $HMEM_TESTS: the test files and options (default: the cross-node tests);
+  # $HMEM_TESTS: the test files and options (default: the cross-node tests and the engine on GPU memory);
   # HMEM_FABRIC=0 / HMEM_BENCH=0 skip the CPU fabric tests / the benchmarks
   stage hmem_tests 600 python3 -m pytest -q -p no:cacheprovider --capture=sys --runslow -m gpu \
-    ${HMEM_TESTS:-tests/gpu/test_cuda_nodes.py}
+    ${HMEM_TESTS:-tests/gpu/test_cuda_nodes.py tests/gpu/test_fabric_gpu_memory.py}
   [ "${HMEM_FABRIC:-1}" = 0 ] || stage hmem_fabric 300 env JAX_PLATFORMS=cpu python3 -m pytest -q -p no:cacheprovider \
     -n 4 tests/fabric
   [ "${HMEM_BENCH:-1}" = 0 ] || NODES_MEMORY=${HMEM_MEMORY:-device host} nodes_bench hmem

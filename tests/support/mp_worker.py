@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import re
 import sys
 
 import jax
@@ -89,6 +90,16 @@ def main() -> None:
     comms = []  # Communicators are collective: keep them until every process is done with them
     for fp8 in (False, True):
         cfg = jax_moe.MoEConfig(e, r, hidden, t, dispatch_dtype=jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
+        refused = os.environ.get("MP_EXPECT_REFUSAL")  # a pattern: the Communicator must be refused with it
+        if refused:
+            try:
+                jax_moe.Communicator(cfg, mesh, "ep", backend=backend)
+            except Exception as err:  # noqa: BLE001 - what the caller asked to see
+                assert re.search(refused, str(err)), f"refused with {err!r}, wanted /{refused}/"
+                print(f"REFUSED process {jax.process_index()}: {err}", flush=True)
+                print(f"OK process {jax.process_index()}/{jax.process_count()} devices={n} backend={backend}")
+                return
+            raise AssertionError(f"the Communicator was built; wanted a refusal matching /{refused}/")
         comm = jax_moe.Communicator(cfg, mesh, "ep", backend=backend)
         comms.append(comm)
         check_fabric_memory(comm)

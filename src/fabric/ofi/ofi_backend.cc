@@ -77,13 +77,14 @@ struct OfiRegion : BackendRegion {
 
 class OfiBackend final : public Backend {
  public:
-  OfiBackend(const std::string& provider, int num_nics, const std::string& pci_bus_id) : provider_(provider) {
+  OfiBackend(const std::string& provider, int num_nics, const std::string& pci_bus_id, bool host_memory_only)
+      : provider_(provider) {
     // Most wanted first: CUDA memory (FI_HMEM, every provider: efa, and shm and tcp where libfabric was built with
     // CUDA) and, on efa, FI_SOURCE (names senders of 4-byte immediates). Without FI_HMEM only host memory registers.
     InfoPtr list;
     const bool efa = provider == "efa";
     const char* want = std::getenv("JAX_MOE_FABRIC_HMEM");  // "0": never ask (host memory only)
-    const bool ask_hmem = want == nullptr || std::string(want) != "0";
+    const bool ask_hmem = !host_memory_only && (want == nullptr || std::string(want) != "0");
     for (int attempt = 0; attempt < 4 && !list; ++attempt) {
       const bool hmem = ask_hmem && attempt < 2, source = efa && attempt % 2 == 0;
       if ((!efa && source) || (!ask_hmem && attempt < 2)) continue;
@@ -120,21 +121,11 @@ class OfiBackend final : public Backend {
         paths.push_back(PciSysfsPath(Format("%04x:%02x:%02x.%x", unsigned(pci.domain_id), unsigned(pci.bus_id),
                                             unsigned(pci.device_id), unsigned(pci.function_id))));
       }
-      const std::string gpu = PciSysfsPath(pci_bus_id);
-      if (gpu.empty()) JAX_MOE_LOG(kWarn, "ofi efa: GPU %s not found in sysfs: NICs in enumeration order", pci_bus_id.c_str());
-      const size_t nearest = NearestNics(gpu, paths).size();
+      std::vector<std::string> names;
+      for (const fi_info* d : devices) names.emplace_back(d->domain_attr->name);
       std::vector<fi_info*> ranked;
-      std::string chosen;
-      for (int i : RankNics(gpu, paths)) {
-        if (static_cast<int>(ranked.size()) < num_nics) {
-          chosen += Format("%s%s (%s)", chosen.empty() ? "" : ", ", devices[i]->domain_attr->name,
-                           paths[i].empty() ? "no PCI path" : paths[i].c_str());
-        }
-        ranked.push_back(devices[i]);
-      }
+      for (int i : OrderNicsForGpu("ofi efa", pci_bus_id, names, paths, num_nics)) ranked.push_back(devices[i]);
       devices.swap(ranked);
-      JAX_MOE_LOG(kInfo, "ofi efa: GPU %s: %zu of %zu NICs nearest; opening %s", pci_bus_id.c_str(), nearest,
-                  devices.size(), chosen.c_str());
     }
     for (int n = 0; n < num_nics; ++n) Open(devices[n % devices.size()]);
     const fi_info* info = nics_[0]->info.get();
@@ -390,7 +381,9 @@ class OfiBackend final : public Backend {
         dmabuf.fd = mem.dmabuf_fd;
         dmabuf.offset = mem.dmabuf_offset;
         dmabuf.len = nbytes;
-        dmabuf.base_addr = ptr;  // with FI_MR_VIRT_ADDR peers address the region by its virtual address
+        // The dmabuf's own start: libfabric places the region at base_addr + offset, and with FI_MR_VIRT_ADDR
+        // peers address it by that virtual address, which must be `ptr`.
+        dmabuf.base_addr = static_cast<uint8_t*>(ptr) - mem.dmabuf_offset;
         attr.dmabuf = &dmabuf;
         attr.iov_count = 1;
         flags = FI_MR_DMABUF;
@@ -481,8 +474,9 @@ class OfiBackend final : public Backend {
 }  // namespace
 }  // namespace ofi
 
-std::unique_ptr<Backend> OpenOfiBackend(const std::string& provider, int num_nics, const std::string& pci_bus_id) {
-  return std::make_unique<ofi::OfiBackend>(provider, num_nics, pci_bus_id);
+std::unique_ptr<Backend> OpenOfiBackend(const std::string& provider, int num_nics, const std::string& pci_bus_id,
+                                        bool host_memory_only) {
+  return std::make_unique<ofi::OfiBackend>(provider, num_nics, pci_bus_id, host_memory_only);
 }
 
 }  // namespace jax_moe::fabric

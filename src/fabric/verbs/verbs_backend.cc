@@ -569,21 +569,11 @@ std::unique_ptr<Backend> OpenVerbsBackend(int num_nics, const std::string& pci_b
     // Nearest the GPU first: /sys/class/infiniband/<name>/device resolves to the HCA's place on the PCIe tree.
     std::vector<std::string> paths;
     for (ibv_device* d : devices) paths.push_back(InfinibandSysfsPath(ibv_get_device_name(d)));
-    const std::string gpu = PciSysfsPath(pci_bus_id);
-    if (gpu.empty()) JAX_MOE_LOG(kWarn, "verbs: GPU %s not found in sysfs: NICs in enumeration order", pci_bus_id.c_str());
-    const size_t nearest = NearestNics(gpu, paths).size();
+    std::vector<std::string> names;
+    for (ibv_device* d : devices) names.emplace_back(ibv_get_device_name(d));
     std::vector<ibv_device*> ranked;
-    std::string chosen;
-    for (int i : RankNics(gpu, paths)) {
-      if (static_cast<int>(ranked.size()) < num_nics) {
-        chosen += Format("%s%s (%s)", chosen.empty() ? "" : ", ", ibv_get_device_name(devices[i]),
-                         paths[i].empty() ? "no sysfs path" : paths[i].c_str());
-      }
-      ranked.push_back(devices[i]);
-    }
+    for (int i : OrderNicsForGpu("verbs", pci_bus_id, names, paths, num_nics)) ranked.push_back(devices[i]);
     devices.swap(ranked);
-    JAX_MOE_LOG(kInfo, "verbs: GPU %s: %zu of %zu NICs nearest; opening %s", pci_bus_id.c_str(), nearest,
-                devices.size(), chosen.c_str());
   }
   return std::make_unique<verbs::VerbsBackend>(devices, num_nics);
 }
