@@ -83,8 +83,10 @@ def _dispatch_receive(comm: CommView, handle: DispatchHandle, deferred: bool,
     validate.check_comm(comm, "dispatch_recv", handle._comm_id, "handle")
     if not deferred:
         rounds.closed(comm, "dispatch", handle._handle, "dispatch_recv")
-    expert_x, expert_x_scale, counts, route = _dispatch_recv(comm, handle._x, handle._x_scale, handle._topk_idx,
-                                                             handle._handle)
+    # x enters the custom_vjp per rank: an x the same on every rank (made inside the body) then gets the sum of the
+    # ranks' cotangents from JAX's own transpose of the cast, where the bwd rule's per-rank cotangent would not type.
+    expert_x, expert_x_scale, counts, route = _dispatch_recv(comm, _per_rank(comm, handle._x), handle._x_scale,
+                                                             handle._topk_idx, handle._handle)
     # Names for remat policies (save_only_these_names(DISPATCH_NAME, COMBINE_NAME)).
     expert_x, expert_x_scale, counts = (None if v is None else checkpoint_name(v, DISPATCH_NAME)
                                         for v in (expert_x, expert_x_scale, counts))
@@ -178,8 +180,9 @@ def _combine_receive(comm: CommView, handle: CombineHandle, topk_weights: Option
     validate.check_weights(comm, call, w, d._topk_idx)
     if not deferred:
         rounds.closed(comm, "combine", handle._handle, "combine_recv")
-    return checkpoint_name(_combine_recv(comm, handle._expert_y, w, d._topk_idx, d._route, handle._handle),
-                           COMBINE_NAME)
+    # Per rank, as dispatch's x: weights or outputs the same on every rank get the sum of the ranks' cotangents.
+    return checkpoint_name(_combine_recv(comm, _per_rank(comm, handle._expert_y), _per_rank(comm, w), d._topk_idx,
+                                         d._route, handle._handle), COMBINE_NAME)
 
 
 def combine(comm: CommView, expert_y: jax.Array, topk_weights: Optional[jax.Array] = None,

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe
-from support.grads import check_grads, grad_problem, moe_loss_fn
+from support.grads import check_against, check_grads, dense_loss, grad_problem, moe_layer, moe_loss_fn
 from support.helpers import BACKENDS, backend_mesh, mesh_of, random_routing, ranks_for
 
 
@@ -40,6 +40,34 @@ def test_gradients_with_weights_at_dispatch(rng, backend, split_halves):
     for name, gv, wv in zip(("x", "topk_weights", "a", "b"), got, want):
         gv, wv = np.asarray(gv, np.float32), np.asarray(wv, np.float32)
         np.testing.assert_allclose(gv, wv, rtol=1e-2, atol=1e-2 * (np.abs(wv).max() + 1e-6), err_msg=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inputs_the_same_on_every_rank_get_the_sum_of_the_ranks_gradients(rng, backend):
+    """Tokens and router weights that are the same on every rank (a replicated input, a constant made in the body) are
+    valid: their gradient is the sum of the ranks' (JAX's rule for an invariant value used per rank). The halves'
+    backward rules return per-rank cotangents, which did not type against such an input ("manual axis types do not
+    match")."""
+    n, e, r, hidden, t = ranks_for(backend, 2), 8, 3, 64, 6
+    comm = jax_moe.Communicator(jax_moe.MoEConfig(e, r, hidden, t), backend_mesh(backend, n), "ep", backend=backend)
+    _, idx, _, a, b, g = grad_problem(rng, n, t, r, e, hidden)
+    x0 = rng.standard_normal((t, hidden)).astype(jnp.bfloat16)  # every rank's tokens
+    s = np.float32(rng.random() + 0.5)  # every slot's weight
+    layer = moe_layer(comm, split_halves=False)
+
+    def body(x0, s, idx, a, b, g):
+        out = layer(x0, idx, s * jnp.ones((t, r), jnp.float32), a, b)
+        return jax.lax.psum(jnp.sum(out.astype(jnp.float32) * g), "ep")
+
+    f = jax.shard_map(body, mesh=comm.mesh, in_specs=(P(), P(), P("ep"), P("ep"), P("ep"), P("ep")), out_specs=P())
+    args = [jax.device_put(v, NamedSharding(comm.mesh, p)) for v, p in
+            zip((x0, s, idx, a, b, g), (P(), P(), P("ep"), P("ep"), P("ep"), P("ep")))]
+    got = jax.jit(jax.grad(f, argnums=(0, 1, 3, 4)))(*args)
+
+    def dense(x0, s, a, b):
+        return dense_loss(jnp.tile(x0, (n, 1)), idx, s * jnp.ones((n * t, r), jnp.float32), a, b, g, e)
+
+    check_against(got, jax.grad(dense, argnums=(0, 1, 2, 3))(jnp.asarray(x0), s, a, b), f"{backend} vs dense")
 
 
 def test_fp8_dispatch_is_not_differentiable(rng):

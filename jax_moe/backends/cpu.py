@@ -66,7 +66,8 @@ class CpuBackend(NativeBackend):
     # --- the four halves ------------------------------------------------------------------------------------------
     def _send(self, rows, x_scale, topk_idx, per_entry: bool):
         t, r = topk_idx.shape
-        scale = x_scale if x_scale is not None else jnp.zeros((rows.shape[0], 0), jnp.float32)
+        # No scales: one unread column (a zero-sized operand crashed Shardy on jax 0.11.2; see src/ffi/cpu_handlers.cc).
+        scale = x_scale if x_scale is not None else jnp.zeros((rows.shape[0], 1), jnp.float32)
         position, ticket = self._call("dispatch_send", (jax.ShapeDtypeStruct((t * r,), jnp.int32),
                                                         jax.ShapeDtypeStruct((2,), jnp.int32)), rows, scale, topk_idx,
                                       per_entry=per_entry)
@@ -89,7 +90,7 @@ class CpuBackend(NativeBackend):
         expert_x, expert_x_scale, counts, dest = self._call(
             "dispatch_recv",
             (jax.ShapeDtypeStruct((m, cfg.hidden), cfg.dispatch_dtype),
-             jax.ShapeDtypeStruct((m, cfg.num_scales), jnp.float32),
+             jax.ShapeDtypeStruct((m, max(1, cfg.num_scales)), jnp.float32),  # one unread column without scales
              jax.ShapeDtypeStruct((self.comm.num_local_experts,), jnp.int32),
              jax.ShapeDtypeStruct((m,), jnp.int32)), ticket)
         return expert_x, (expert_x_scale if cfg.is_fp8 else None), counts, (position, dest)

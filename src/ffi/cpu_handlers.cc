@@ -18,6 +18,11 @@ constexpr char kPrefix[] = "jax_moe: ";
 
 ffi::Error Mismatch(const char* what) { return ffi_util::Mismatch(kPrefix, what); }
 
+// Columns of the scale operand and result: without scales (bf16, or the per-entry rows of gradients) one unread column
+// stands in, because a zero-sized array crossing shard_map bodies crashed XLA's Shardy partitioner (jax 0.11.2: grad
+// of lax.scan over a shard_map'ed layer).
+int64_t ScaleColumns(int64_t num_scales, bool per_entry) { return per_entry || num_scales == 0 ? 1 : num_scales; }
+
 // Runs `fn(comm)` for the Communicator `comm_id`, turning every exception into an ffi::Error.
 template <typename Fn>
 ffi::Error WithComm(int64_t comm_id, Fn&& fn) {
@@ -40,7 +45,7 @@ ffi::Error DispatchSend(int32_t device, int64_t comm_id, bool per_entry, ffi::To
     if (!HasDims(x, {rows, s.hidden}) || int64_t(ffi::ByteWidth(x.element_type())) != s.x_itemsize) {
       return Mismatch("x");
     }
-    if (!HasDims(x_scale, {rows, per_entry ? 0 : s.num_scales}) || x_scale.element_type() != ffi::F32) {
+    if (!HasDims(x_scale, {rows, ScaleColumns(s.num_scales, per_entry)}) || x_scale.element_type() != ffi::F32) {
       return Mismatch("x_scale");
     }
     if (!HasDims(topk_idx, {t, s.experts_per_token}) || !HasDims(*position, {t * s.experts_per_token}) ||
@@ -65,7 +70,7 @@ ffi::Error DispatchRecv(int32_t device, int64_t comm_id, ffi::Token, ffi::Buffer
     if (!HasDims(*expert_x, {m, s.hidden}) || int64_t(ffi::ByteWidth(expert_x->element_type())) != s.x_itemsize) {
       return Mismatch("expert_x");
     }
-    if (!HasDims(*expert_x_scale, {m, s.num_scales})) return Mismatch("expert_x_scale");
+    if (!HasDims(*expert_x_scale, {m, ScaleColumns(s.num_scales, false)})) return Mismatch("expert_x_scale");
     if (!HasDims(*counts, {s.local_experts}) || !HasDims(*dest, {m}) || ticket.element_count() != 2) {
       return Mismatch("dispatch_recv outputs");
     }

@@ -62,6 +62,21 @@ def remat_grad_fn(comm: jax_moe.Communicator, variant: str, layers: int, split: 
     return grad_program(comm, loss, specs, collective)
 
 
+def scanned_sharded_grad_fn(comm: jax_moe.Communicator, variant: str):
+    """The other layout of scan_layers (MaxText, nnx.scan over the stacked blocks): lax.scan over the layers in the
+    global view, each step one shard_map'ed layer, wrapped as `variant` says. jit(grad) over (x, topk_weights, a, b).
+    The backward pass of such a program carries residuals from one shard_map body into another."""
+    axis = comm.axis_name
+    layer = with_policy(moe_layer(comm, split_halves=False), variant)
+    step = jax.shard_map(layer, mesh=comm.mesh, in_specs=(P(axis),) * 5, out_specs=P(axis))
+
+    def loss(x, idx, w, a, b, g):
+        out, _ = jax.lax.scan(lambda h, ab: (step(h, idx, w, ab[0], ab[1]), None), x, (a, b))
+        return jnp.sum(out.astype(jnp.float32) * g)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4)))
+
+
 def dense_remat_loss(x, idx, w, a, b, g, num_experts: int):
     """The same loss with no communication: each layer sums w * (x * a[e] + b[e]) over a token's unmasked experts,
     rounding where the layer does (expert outputs and the combined rows to bf16)."""
