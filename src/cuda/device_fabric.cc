@@ -174,10 +174,8 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory) {
                                        "; use fabric_memory=\"host\" (pinned host memory), or a NIC provider (efa, "
                                        "verbs) with a libfabric built with CUDA");
   }
-  if (on_gpu_) {
-    fallback_.clear();
-    visibility_ = VisibilityOf(ordinal_);
-  }
+  if (memory != AreaMemory::kAuto) fallback_.clear();  // the reason is for "auto" only: nothing fell back otherwise
+  if (on_gpu_) visibility_ = VisibilityOf(ordinal_);
   // Streams: dispatch, combine channel 0, combine channel 1. The two combine channels share the immediate kinds and
   // differ in their id (bit 14), so their arrivals and credits are counted apart.
   const uint32_t id = id_;

@@ -30,7 +30,10 @@ EngineCore::EngineCore(const EngineOptions& options) : options_(options) {
   caps_.max_imm = backend_->max_imm();
   caps_.max_write_bytes = backend_->max_write_bytes();
   caps_.remote_virt_addr = backend_->remote_virt_addr();
-  caps_.device_memory = options.fake_device_memory || backend_->supports_device_memory();
+  Require(!(options.fake_device_memory && options.host_memory_only),
+          "fake_device_memory and host_memory_only contradict each other");
+  // host_memory_only: device memory is refused on every backend (verbs never asks its NIC anything up front).
+  caps_.device_memory = !options.host_memory_only && (options.fake_device_memory || backend_->supports_device_memory());
   nonce_ = MakeNonce();
   EngineAddress addr;
   addr.nonce = nonce_;

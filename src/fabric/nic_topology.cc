@@ -1,5 +1,6 @@
 #include "fabric/nic_topology.h"
 
+#include "common/error.h"
 #include "common/log.h"
 
 #include <stdlib.h>  // realpath (POSIX)
@@ -166,6 +167,7 @@ std::vector<int> PciLocalCpus(const std::string& bus_id, const std::string& sysf
 std::vector<int> OrderNicsForGpu(const std::string& who, const std::string& gpu_bus_id,
                                  const std::vector<std::string>& names, const std::vector<std::string>& paths,
                                  int opened, const std::string& sysfs_root) {
+  Require(names.size() == paths.size(), who + ": one PCI path per NIC name");
   const std::string gpu = PciSysfsPath(gpu_bus_id, sysfs_root);
   if (gpu.empty()) JAX_MOE_LOG(kWarn, "%s: GPU %s not found in sysfs: NICs in enumeration order", who.c_str(), gpu_bus_id.c_str());
   const std::vector<int> order = RankNics(gpu, paths);

@@ -108,8 +108,9 @@ bool Pump::Step(Link& link, State& st) {
   const size_t index = size_t(&link - links_.data());
   auto& trace = traces_[index];
   if (rung > 0 && rung <= kTraceRounds && trace[rung - 1][0] == 0) trace[rung - 1][0] = NowNs();
-  while (st.posted < rung && ch.CanPost(st.posted + 1) &&
-         (!hooks_.before_post || (hooks_.before_post(index, st.posted + 1), true)) &&
+  // CanPost only for the hook (it must see a round that will be posted): PostArea checks the credits itself.
+  while (st.posted < rung &&
+         (!hooks_.before_post || (ch.CanPost(st.posted + 1) && (hooks_.before_post(index, st.posted + 1), true))) &&
          ch.PostArea(st.posted + 1, *link.area, link.bytes + lanes.Lane(st.posted + 1) * lanes.num_ranks)) {
     ++st.posted;
     if (st.posted <= kTraceRounds) trace[st.posted - 1][1] = NowNs();

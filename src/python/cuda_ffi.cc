@@ -62,6 +62,9 @@ void RegisterCuda(nb::module_& m) {
       .def(
           "download",
           [](const jax_moe::cuda::DeviceMemory& m, size_t offset, size_t n) {
+            if (offset > m.size() || n > m.size() - offset) {
+              jax_moe::Throw(jax_moe::ErrorCode::kInvalidArgument, "DeviceMemory.download: out of range");
+            }
             std::string out(n, '\0');
             m.Download(offset, out.data(), n);
             return nb::bytes(out.data(), out.size());

@@ -81,6 +81,8 @@ def test_host_memory_only_engines_do_not_ask_for_gpu_memory():
             e.register_ptr(buf.ctypes.data, buf.nbytes, device=0)
     finally:
         e.close()
+    with pytest.raises(ValueError, match="contradict"):
+        fabric.TransferEngine("shm", host_memory_only=True, fake_device_memory=True)
     if not granted:
         pytest.skip("this libfabric's shm does not grant FI_HMEM even when asked: nothing was turned off")
 

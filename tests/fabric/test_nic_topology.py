@@ -94,6 +94,8 @@ def test_engines_open_the_nics_of_their_gpu_first(tmp_path: Path) -> None:
     assert [T.order_nics_for_gpu("test", g, names, paths, 1, root)[0] for g in gpus] == [3, 3, 2, 2, 1, 1, 0, 0]
     assert T.order_nics_for_gpu("test", gpus[0], names, paths, 2, root) == [3, 2, 0, 1, 4]
     assert T.order_nics_for_gpu("test", "0000:ee:00.0", names, paths, 2, root) == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="one PCI path per NIC name"):  # not a read past the names
+        T.order_nics_for_gpu("test", gpus[0], names[:1], paths, 2, root)
 
 
 def test_ties_keep_their_order(tmp_path: Path) -> None:

@@ -76,6 +76,12 @@ def check_fabric_memory(comm) -> None:
     for ordinal, i in info.items():
         print(f"FABRIC process {jax.process_index()} device {ordinal}: {i.get('provider')}, {i.get('memory')}, "
               f"visibility: {i.get('visibility')}, fallback: {i.get('fallback') or '-'}", flush=True)
+    asked = os.environ.get("JAX_MOE_FABRIC_MEMORY", "auto")
+    for i in info.values():  # "auto" on host memory says why; an explicit choice fell back from nothing
+        if asked == "auto" and not i["on_gpu"]:
+            assert i.get("fallback"), f"fabric_memory auto kept host memory without saying why: {info}"
+        elif asked != "auto":
+            assert not i.get("fallback"), f"fabric_memory={asked} reports a fallback: {info}"
     want = os.environ.get("MP_EXPECT_FABRIC_ON_GPU")
     if want is not None and info:
         got = {o: bool(i["on_gpu"]) for o, i in info.items()}
