@@ -59,9 +59,9 @@ def test_inputs_the_same_on_every_rank_get_the_sum_of_the_ranks_gradients(rng, b
         out = layer(x0, idx, s * jnp.ones((t, r), jnp.float32), a, b)
         return jax.lax.psum(jnp.sum(out.astype(jnp.float32) * g), "ep")
 
-    f = jax.shard_map(body, mesh=comm.mesh, in_specs=(P(), P(), P("ep"), P("ep"), P("ep"), P("ep")), out_specs=P())
-    args = [jax.device_put(v, NamedSharding(comm.mesh, p)) for v, p in
-            zip((x0, s, idx, a, b, g), (P(), P(), P("ep"), P("ep"), P("ep"), P("ep")))]
+    specs = (P(), P(), P("ep"), P("ep"), P("ep"), P("ep"))  # x0 and s replicated, the rest per rank
+    f = jax.shard_map(body, mesh=comm.mesh, in_specs=specs, out_specs=P())
+    args = [jax.device_put(v, NamedSharding(comm.mesh, p)) for v, p in zip((x0, s, idx, a, b, g), specs)]
     got = jax.jit(jax.grad(f, argnums=(0, 1, 3, 4)))(*args)
 
     def dense(x0, s, a, b):

@@ -40,14 +40,19 @@ def _setup(backend: str, n: int, rng, layers: int):
     return comm, problem, args
 
 
+def _xla_twin(comm, problem, args):
+    """The same problem on backend "xla" (the reference): its Communicator and arguments, laid out as `args`."""
+    ref = jax_moe.Communicator(comm.cfg, backend_mesh("xla", comm.mesh.size), "ep", backend="xla")
+    return ref, [jax.device_put(np.asarray(v), NamedSharding(ref.mesh, a.sharding.spec)) for v, a in zip(problem, args)]
+
+
 @pytest.mark.parametrize("backend", NATIVE)
 @pytest.mark.parametrize("layers", [1, 3], ids=["one-layer", "scan-3"])
 @pytest.mark.parametrize("variant", [v for v in POLICIES if v != "plain"])
 def test_checkpointed_layers_match_xla_and_send_nothing_again(rng, backend, layers, variant):
     n = _ranks(backend)
     comm, problem, args = _setup(backend, n, rng, layers)
-    ref = jax_moe.Communicator(comm.cfg, backend_mesh("xla", n), "ep", backend="xla")
-    ref_args = [jax.device_put(np.asarray(v), NamedSharding(ref.mesh, a.sharding.spec)) for v, a in zip(problem, args)]
+    ref, ref_args = _xla_twin(comm, problem, args)
     got = remat_grad_fn(comm, variant, layers)(*args)
     want = remat_grad_fn(ref, variant, layers)(*ref_args)
     check_against(got, want, f"{backend} {variant} vs xla", rtol=1e-2)
@@ -62,12 +67,11 @@ def test_checkpointed_layers_match_xla_and_send_nothing_again(rng, backend, laye
 @pytest.mark.parametrize("variant", ["plain", "checkpoint", "save_only_names"])
 def test_scan_over_sharded_layers_matches_xla(rng, backend, variant):
     """lax.scan in the global view over shard_map'ed layers (how MaxText and nnx.scan stack blocks; tests/test_remat's
-    other cases scan inside one shard_map). On jax 0.11.2 the native backends' zero-sized scale arrays, carried from
+    other cases scan inside one shard_map). On jax 0.11.2 backend "cpu"'s zero-sized scale arrays, carried from
     one shard_map body to another by the backward pass, crashed XLA's partitioner (segfault while compiling)."""
     n = _ranks(backend)
     comm, problem, args = _setup(backend, n, rng, 3)
-    ref = jax_moe.Communicator(comm.cfg, backend_mesh("xla", n), "ep", backend="xla")
-    ref_args = [jax.device_put(np.asarray(v), NamedSharding(ref.mesh, a.sharding.spec)) for v, a in zip(problem, args)]
+    ref, ref_args = _xla_twin(comm, problem, args)
     got = scanned_sharded_grad_fn(comm, variant)(*args)
     check_against(got, scanned_sharded_grad_fn(ref, variant)(*ref_args), f"{backend} {variant} vs xla", rtol=1e-2)
     check_against(got, dense_grads(problem, E), f"{backend} {variant} vs dense")
