@@ -153,8 +153,10 @@ void Channel::Post(uint64_t round, const fabric::MemoryRegion& src, const std::v
 }
 
 bool Channel::CanPost(uint64_t round) {
-  for (int32_t p : remote_ranks_) {
-    if (!CreditOk(p, round)) return false;
+  Cursor& c = credit_cursor_;
+  if (c.round != round) c = {round, 0};
+  for (; c.next < int64_t(remote_ranks_.size()); ++c.next) {
+    if (!CreditOk(remote_ranks_[c.next], round)) return false;
   }
   return true;
 }
@@ -209,8 +211,10 @@ bool Channel::HasQueued() const {
 
 bool Channel::Arrived(uint64_t round, std::vector<int32_t>* missing) {
   const int64_t n = lanes().num_ranks, lane = lanes().Lane(round);
+  Cursor& c = arrived_cursor_;
+  if (c.round != round) c = {round, 0};
   bool all = true;
-  for (int64_t p = 0; p < n; ++p) {
+  for (int64_t p = missing ? 0 : c.next; p < n; ++p) {  // the list of who is missing needs every rank
     bool here;
     if (remote_index_[p] < 0) {
       here = local_->Arrived(p, round);
@@ -223,6 +227,8 @@ bool Channel::Arrived(uint64_t round, std::vector<int32_t>* missing) {
       all = false;
       if (!missing) return false;
       missing->push_back(int32_t(p));
+    } else if (all && !missing) {
+      c.next = p + 1;
     }
   }
   return all;

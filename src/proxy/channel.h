@@ -144,6 +144,15 @@ class Channel {
   std::vector<std::deque<Outgoing>> queue_;  // [N] regions waiting for the receiver's credit, in round order
   std::vector<uint64_t> remote_credits_;     // [N][K] rounds of a lane a remote receiver released
   std::vector<uint64_t> remote_rounds_;      // [N][K] rounds of a lane a remote sender delivered
+  // A pass of the proxy asks every round's arrivals and credits again until they are all in, and with N ranks that
+  // was N look-ups of the engine's banked immediates per question. Once a rank's region (or credit) for a round is
+  // here it stays here, so each question resumes at the first rank not yet seen for its round: a pass that finds
+  // nothing new costs one look-up, not N. Guarded by mu_.
+  struct Cursor {
+    uint64_t round = 0;
+    int64_t next = 0;  // ranks before it were seen for `round`
+  };
+  Cursor arrived_cursor_, credit_cursor_;
 };
 
 // "[1, 3]"
