@@ -388,6 +388,9 @@ def main(argv) -> int:
                     rec["trace_us"] = trace
                 fabric = comm.backend.fabric_info()
                 if fabric:  # ranks on other nodes: which provider and memory, and the proxies' timeline
+                    # their combine regions hold rows per (t, k), not summed per token (docs/cuda.md)
+                    summed = False
+                    rec["remote_combine_bytes_sent"] = comb_bytes
                     rec["fabric"] = {str(k): v for k, v in fabric.items()}
                     rec["fabric_breakdown"] = diagnostics.fabric_breakdown(comm, 4096)
                     print(f"[moe] fabric {rec['fabric']} breakdown {rec['fabric_breakdown']}", flush=True)
