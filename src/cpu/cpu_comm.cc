@@ -80,15 +80,14 @@ CpuComm::CpuComm(const CommOptions& options, const std::vector<RankInfo>& table,
     setup(rank->dispatch, "dispatch", true, s.dispatch_row_bytes());
     setup(rank->combine, "combine", false, s.combine_row_bytes());
     if (remote) {
-      fabric::EngineOptions engine_options;
-      engine_options.host_memory_only = true;  // the inboxes are host memory: shm keeps its single-copy path
-      rank->engine = proxy::AcquireEngine("cpu:" + std::to_string(rank->info.device_id), options_.provider,
-                                          engine_options);
-      Require(rank->engine->max_imm() == UINT32_MAX,
-              "CpuComm: the fabric provider carries " + std::to_string(rank->engine->max_imm()) +
-                  " as its largest immediate; the cpu backend needs 32-bit immediates");
-      for (Direction* d : {&rank->dispatch, &rank->combine}) {
-        d->recv_mr = rank->engine->Register(d->inbox->recv.data(), d->inbox->recv.size());
+      try {
+        rank->port = std::make_unique<proxy::HostPort>("cpu:" + std::to_string(rank->info.device_id),
+                                                       options_.provider);
+      } catch (const Error& e) {
+        Throw(e.code(), std::string("CpuComm: ") + e.what());
+      }
+      for (Direction* d : {&rank->dispatch, &rank->combine}) {  // registered in channel order (Connect)
+        d->descriptor = rank->port->Register(d->inbox->recv.data(), d->inbox->recv.size());
       }
     }
   }
@@ -115,8 +114,10 @@ CpuComm::CpuComm(const CommOptions& options, const std::vector<RankInfo>& table,
         auto buf = std::make_shared<HostBuffer>(bytes);
         return proxy::Block{buf->data(), buf->size(), buf};
       };
-      d.channel = std::make_unique<proxy::Channel>(config, remote, rank->engine, d.same_process.get(), allocate,
-                                                   proxy_->mu(), proxy_->cv());
+      d.channel = rank->port ? rank->port->NewChannel(config, remote, d.same_process.get(), allocate, proxy_->mu(),
+                                                      proxy_->cv())
+                             : std::make_unique<proxy::Channel>(config, remote, nullptr, d.same_process.get(),
+                                                                allocate, proxy_->mu(), proxy_->cv());
       channels.push_back(d.channel.get());
     };
     open(rank->dispatch, &Rank::dispatch, proxy::ImmKind::kDispatchData, proxy::ImmKind::kDispatchCredit);
@@ -129,14 +130,14 @@ CpuComm::CpuComm(const CommOptions& options, const std::vector<RankInfo>& table,
 // Peers send a credit after every round they receive, the last ones possibly after this process is done with the
 // Communicator, and our queued regions still need the progress thread: the proxy drains first (bounded), then stops;
 // then in-flight writes, which read our staging buffers, are given a moment to finish. The engines are shared by the
-// process's CpuComms and close with the last of them (cpu/engine_pool.h).
+// process's CpuComms and close with the last of them (proxy/engine_pool.h).
 CpuComm::~CpuComm() {
   proxy_->Drain(kDrainBoundS);
   proxy_.reset();
   for (auto& rank : ranks_) {
-    if (!rank->engine) continue;
+    if (!rank->port) continue;
     try {
-      rank->engine->WaitSends(1.0);
+      rank->port->WaitSends(1.0);
     } catch (const std::exception&) {
     }
   }
@@ -148,9 +149,9 @@ int64_t CpuComm::Live() { return live_comms.load(); }
 std::vector<Endpoint> CpuComm::LocalEndpoints() const {
   std::vector<Endpoint> out;
   for (const auto& rank : ranks_) {
-    if (!rank->engine) continue;
-    out.push_back({rank->info.group, rank->info.rank, rank->engine->Address(),
-                   rank->dispatch.recv_mr->descriptor().Serialize(), rank->combine.recv_mr->descriptor().Serialize()});
+    if (!rank->port) continue;
+    out.push_back({rank->info.group, rank->info.rank, rank->port->Address(), rank->dispatch.descriptor,
+                   rank->combine.descriptor});
   }
   return out;
 }
@@ -161,20 +162,17 @@ void CpuComm::Connect(const std::vector<Endpoint>& remote) {
   for (auto& rank : ranks_) {
     const std::vector<int32_t>& ranks = rank->dispatch.channel->remote_ranks();
     if (ranks.empty()) continue;
-    std::vector<fabric::RegionDescriptor> dispatch_regions, combine_regions;
-    std::vector<fabric::PeerId> peers;
+    std::vector<proxy::HostPort::RemoteEnd> ends;
     for (int32_t p : ranks) {
       auto it = by_rank.find({rank->info.group, p});
       Require(it != by_rank.end(), "CpuComm: no endpoint was published for rank " + std::to_string(p));
-      peers.push_back(rank->engine->Connect(it->second->address, options_.timeout_s));
-      dispatch_regions.push_back(fabric::RegionDescriptor::Parse(it->second->dispatch_region));
-      combine_regions.push_back(fabric::RegionDescriptor::Parse(it->second->combine_region));
-      Require(dispatch_regions.back().size == rank->dispatch.inbox->recv.size() &&
-                  combine_regions.back().size == rank->combine.inbox->recv.size(),
-              "CpuComm: rank " + std::to_string(p) + " registered buffers of another size (configs differ?)");
+      ends.push_back({p, it->second->address, {it->second->dispatch_region, it->second->combine_region}});
     }
-    rank->dispatch.channel->Connect(peers, std::move(dispatch_regions));
-    rank->combine.channel->Connect(peers, std::move(combine_regions));
+    try {
+      rank->port->Connect({rank->dispatch.channel.get(), rank->combine.channel.get()}, ends, options_.timeout_s);
+    } catch (const Error& e) {
+      Throw(e.code(), std::string("CpuComm: ") + e.what());
+    }
   }
 }
 

@@ -49,7 +49,7 @@ class CpuComm {
  public:
   CpuComm(const CommOptions& options, const std::vector<RankInfo>& table, int32_t process);
   // Delivers queued regions and waits for the peers' last credits first (bounded, see Drain): the engines are shared
-  // by the process's CpuComms and close with the last of them (cpu/engine_pool.h).
+  // by the process's CpuComms and close with the last of them (proxy/engine_pool.h).
   ~CpuComm();
   CpuComm(const CpuComm&) = delete;
   CpuComm& operator=(const CpuComm&) = delete;

@@ -117,9 +117,9 @@ void CpuComm::DispatchSend(int64_t device, const uint8_t* x, const uint8_t* x_sc
     if (bad) {
       // The region carrying the error must reach the other processes before ours may exit on it: they fail at
       // once with it instead of waiting for the timeout.
-      if (me.engine) {
+      if (me.port) {
         try {
-          me.engine->WaitSends(std::min(options_.timeout_s, 5.0));
+          me.port->WaitSends(std::min(options_.timeout_s, 5.0));
         } catch (const Error&) {  // a peer that is gone as well: the error below is still ours to report
         }
       }

@@ -7,8 +7,8 @@
 
 #include "cpu/cpu_comm.h"
 #include "cpu/same_process.h"
-#include "fabric/transfer_engine.h"
 #include "proxy/channel.h"
+#include "proxy/host_port.h"
 #include "proxy/routing.h"
 
 namespace jax_moe::cpu {
@@ -19,7 +19,7 @@ struct CpuComm::Direction {
   bool has_counts = false;  // dispatch regions carry the per-expert counts after the header
   uint64_t header_bytes = 0, row_bytes = 0;
   std::unique_ptr<Inbox> inbox;
-  std::shared_ptr<fabric::MemoryRegion> recv_mr;  // the inbox, registered when the rank has peers in other processes
+  std::string descriptor;  // of the inbox, registered when the rank has peers in other processes
   std::unique_ptr<SameProcessPeers> same_process;
   std::unique_ptr<proxy::Channel> channel;
 };
@@ -27,7 +27,7 @@ struct CpuComm::Direction {
 struct CpuComm::Rank {
   RankInfo info{};
   std::vector<Rank*> local_peer;  // [N]: the same-process rank, or nullptr for one in another process
-  std::shared_ptr<fabric::TransferEngine> engine;
+  std::unique_ptr<proxy::HostPort> port;  // when the rank has peers in other processes
   Direction dispatch, combine;
   proxy::SendPlan plan;
   std::vector<float> acc;

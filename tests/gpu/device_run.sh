@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call verifies a commit on the lent GPU machine (docs/cuda.md, "Verification"):
 #   bash tests/gpu/device_run.sh [STAGES] [bench args...]
-# STAGES: comma-separated from build, cpu, gpu, demo, bench, ep1, proxy, overlap, nodes, ipc, hmem (default:
+# STAGES: comma-separated from build, cpu, gpu, demo, bench, ep1, proxy, overlap, nodes, xoverlap, ipc, hmem (default:
 # build,cpu,gpu,demo). hmem comes last: it rebuilds against libfabric 2.6 with CUDA (see below). The full build uses the
 # libfabric headers carried in third_party_headers/libfabric (the image has the runtime only). Logs go to $OUT (or
 # ./gpu_out); the last lines printed are "SUMMARY ..." lines, one per stage. NVLink multicast stays off.
@@ -108,6 +108,15 @@ nodes_bench() {  # TAG: the cross-node decode benchmark on one GPU, two processe
 }
 if has nodes; then  # ranks on other nodes (issue 13) with the image's libfabric 1.17 (no CUDA: host memory)
   nodes_bench nodes
+fi
+if has xoverlap; then  # overlap across nodes (issue 25): two processes under MPS as two nodes, per area memory
+  mps_start
+  for memory in ${NODES_MEMORY:-auto}; do
+    stage "xoverlap_${memory}" 300 env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_FABRIC_MEMORY=$memory \
+      python3 -m jax_moe.bench overlap --processes 2 --ranks-per-node 1 --provider "${NODES_PROVIDERS%% *}" \
+      --iters 50 --json "$OUT/xoverlap_${memory}.json"
+  done
+  mps_stop
 fi
 if has ipc; then  # EP2 through the NVLink kernels between two processes (CUDA IPC); with one GPU both share it under
   # MPS (half the SMs each, HBM instead of NVLink): the summed combine (cuda) against rows per (t, k) (cuda-entry),
