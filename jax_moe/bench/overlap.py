@@ -31,7 +31,8 @@ from jax_moe.backends import cpu as cpu_backend
 from jax_moe.backends import cuda as cuda_backend
 from jax_moe import multihost
 from jax_moe.bench import micro_batches, processes
-from jax_moe.bench.moe import SHAPES, _inputs, program
+from jax_moe.bench.moe import SHAPES
+from jax_moe.bench.programs import make_inputs, program
 from jax_moe.types import CombineHandle, DispatchHandle
 
 
@@ -213,7 +214,7 @@ def main(argv) -> int:
             print(f"[overlap] skip {shape}: {e} experts not divisible by {n} ranks")
             continue
         cfg = jax_moe.MoEConfig(e, r, hidden, t, dispatch_dtype=jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
-        inputs = _inputs(rng, n, t, hidden, e, r, fp8)
+        inputs = make_inputs(rng, n, t, hidden, e, r, fp8)
         for backend in backends:
             try:
                 comm = jax_moe.Communicator(cfg, mesh, "ep", backend=backend, ranks_per_node=args.ranks_per_node,
