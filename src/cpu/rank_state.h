@@ -27,8 +27,10 @@ struct CpuComm::Direction {
 struct CpuComm::Rank {
   RankInfo info{};
   std::vector<Rank*> local_peer;  // [N]: the same-process rank, or nullptr for one in another process
-  std::unique_ptr<proxy::HostPort> port;  // when the rank has peers in other processes
   Direction dispatch, combine;
+  // When the rank has peers in other processes. Declared after the directions, so destroyed before them: the inboxes'
+  // registrations (held here) go before the inboxes' memory is freed (the channels keep the engine alive).
+  std::unique_ptr<proxy::HostPort> port;
   proxy::SendPlan plan;
   std::vector<float> acc;
 };
