@@ -176,6 +176,9 @@ def main(argv) -> int:
                 print(f"[moe] {backend} {shape} T={t} failed: {type(err).__name__}: {str(err)[:400]}")
                 continue
             stats = report.summary(samples)
+            fabric = comm.backend.fabric_info() if native == "cuda" else {}
+            # ranks on other nodes get rows per (t, k) back, not summed per token (docs/cuda.md)
+            summed = summed and not fabric
             rec = {"shape": shape, "tokens": t, "hidden": hidden, "experts": e, "topk": r, "fp8": fp8,
                    "ranks": n, "backend": backend, "stats": stats, "remote_dispatch_bytes": disp_bytes,
                    "remote_combine_bytes": comb_bytes, "seconds": time.perf_counter() - started}
@@ -190,11 +193,7 @@ def main(argv) -> int:
                 trace = diagnostics.trace_summary(comm)
                 if trace:
                     rec["trace_us"] = trace
-                fabric = comm.backend.fabric_info()
                 if fabric:  # ranks on other nodes: which provider and memory, and the proxies' timeline
-                    # their combine regions hold rows per (t, k), not summed per token (docs/cuda.md)
-                    summed = False
-                    rec["remote_combine_bytes_sent"] = comb_bytes
                     rec["fabric"] = {str(k): v for k, v in fabric.items()}
                     rec["fabric_breakdown"] = diagnostics.fabric_breakdown(comm, 4096)
                     print(f"[moe] fabric {rec['fabric']} breakdown {rec['fabric_breakdown']}", flush=True)
