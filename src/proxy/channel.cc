@@ -227,7 +227,7 @@ bool Channel::Arrived(uint64_t round, std::vector<int32_t>* missing) {
       all = false;
       if (!missing) return false;
       missing->push_back(int32_t(p));
-    } else if (all && !missing) {
+    } else if (!missing) {  // every rank before p is here too: a missing one would have returned
       c.next = p + 1;
     }
   }
