@@ -15,7 +15,7 @@ from jax_moe.types import CombineHandle, Dispatched, DispatchHandle
 
 _ids = itertools.count(1)
 FABRIC_PROVIDERS = ("auto", "tcp", "shm", "efa", "verbs")
-FABRIC_MEMORIES = ("auto", "device", "host")
+FABRIC_MEMORIES = ("auto", "device", "host", "staged")
 
 
 def _env_timeout() -> float:
@@ -76,8 +76,10 @@ class Communicator:
       $JAX_MOE_FABRIC_PROVIDER or "auto").
     fabric_memory: "cuda" only: where the areas that ranks on other nodes write into live: "device" (GPU memory
       that the NIC reads and writes: efa or verbs with a libfabric built with CUDA; refused, saying why, elsewhere:
-      shm and tcp cannot carry GPU memory while a kernel waits for it, see docs/cuda.md), "host" (pinned host memory),
-      "auto" (host memory for now, the verified path). Default $JAX_MOE_FABRIC_MEMORY, else "auto".
+      shm and tcp cannot carry GPU memory while a kernel waits for it, see docs/cuda.md), "host" (pinned host memory
+      the kernels read and write over PCIe), "staged" (pinned host memory on the wire, HBM for the kernels, a copy
+      engine between them), "auto" (host memory for now, the verified path). Default $JAX_MOE_FABRIC_MEMORY, else
+      "auto".
       `comm.backend.fabric_info()` says which was used and, for "auto", why not GPU memory ("fallback").
     ranks_per_node: "cuda" only: treat consecutive groups of this many ranks as one node (default
       $JAX_MOE_RANKS_PER_NODE, else one node per host). Ranks of one node reach each other over NVLink; ranks of

@@ -43,7 +43,7 @@ class NativeOptions:
     timeout_s: float
     fabric_provider: Optional[str]  # the TransferEngine's provider; None where the backend does not use it
     ranks_per_node: Optional[int] = None  # forced node size ("cuda"); None: one node per host
-    fabric_memory: str = "auto"  # where "cuda"'s areas for remote ranks live: "auto", "device", "host"
+    fabric_memory: str = "auto"  # where "cuda"'s areas for remote ranks live: "auto", "device", "host", "staged"
 
     @classmethod
     def of(cls, comm: CommView, backend: str, uses_fabric: bool) -> "NativeOptions":

@@ -87,8 +87,9 @@ AreaMemory ParseAreaMemory(const std::string& name) {
   if (name == "auto" || name.empty()) return AreaMemory::kAuto;
   if (name == "device") return AreaMemory::kDevice;
   if (name == "host") return AreaMemory::kHost;
-  Throw(ErrorCode::kInvalidArgument, "jax_moe cuda: fabric_memory must be \"auto\", \"device\" or \"host\", got \"" +
-                                         name + "\"");
+  if (name == "staged") return AreaMemory::kStaged;
+  Throw(ErrorCode::kInvalidArgument,
+        "jax_moe cuda: fabric_memory must be \"auto\", \"device\", \"host\" or \"staged\", got \"" + name + "\"");
 }
 
 DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, const std::vector<bool>& remote,
@@ -131,7 +132,7 @@ DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, co
   }
 }
 
-std::pair<Area, std::shared_ptr<fabric::MemoryRegion>> DeviceFabric::NewArea(size_t bytes) {
+std::pair<Area, std::shared_ptr<fabric::MemoryRegion>> DeviceFabric::NewArea(size_t bytes, bool staged) {
   Area area;
   area.bytes = bytes;
   std::shared_ptr<fabric::MemoryRegion> mr;
@@ -148,6 +149,7 @@ std::pair<Area, std::shared_ptr<fabric::MemoryRegion>> DeviceFabric::NewArea(siz
   } else {
     area.pinned = std::make_unique<PinnedBuffer>(bytes);
     mr = engine_->Register(area.pinned->host(), bytes);
+    if (staged) area.mirror = std::make_unique<DeviceMemory>(bytes, ordinal_);
   }
   return {std::move(area), std::move(mr)};
 }
@@ -176,6 +178,8 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory) {
   }
   if (memory != AreaMemory::kAuto) fallback_.clear();  // the reason is for "auto" only: nothing fell back otherwise
   if (on_gpu_) visibility_ = VisibilityOf(ordinal_);
+  const bool staged = memory == AreaMemory::kStaged;
+  if (staged) stage_ = std::make_unique<StageCopies>(ordinal_, 2 * kFabricStreams);  // per stream: sends, arrivals
   // Streams: dispatch, combine channel 0, combine channel 1. The two combine channels share the immediate kinds and
   // differ in their id (bit 14), so their arrivals and credits are counted apart.
   const uint32_t id = id_;
@@ -191,8 +195,8 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory) {
     st.comm_id = id | (i == 2 ? 0x4000u : 0u);
     const proxy::Lanes lanes{n, kFabricLanes, st.region};
     st.words = std::make_unique<PinnedBuffer>(sizeof(uint64_t) * (proxy::kBellWords + kFabricLanes * n));
-    std::tie(st.send, st.send_mr) = NewArea(lanes.buffer_bytes());
-    std::tie(st.recv, st.recv_mr) = NewArea(lanes.buffer_bytes());
+    std::tie(st.send, st.send_mr) = NewArea(lanes.buffer_bytes(), staged);
+    std::tie(st.recv, st.recv_mr) = NewArea(lanes.buffer_bytes(), staged);
     proxy::ChannelConfig config;
     config.name = names[i];
     config.data_kind = data[i];
@@ -214,8 +218,10 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory) {
 std::string DeviceFabric::MemoryName() const {
   if (streams_.empty()) return "none";
   const char* how = fabric::RegistrationName(streams_[0].recv_mr->registration());
-  return on_gpu_ ? std::string("gpu, registered as ") + how
-                 : std::string("pinned host memory mapped into the GPU, registered as ") + how;
+  if (on_gpu_) return std::string("gpu, registered as ") + how;
+  if (stage_) return std::string("staged: pinned host memory on the wire, registered as ") + how +
+                     ", and HBM for the kernels, a copy engine between";
+  return std::string("pinned host memory mapped into the GPU, registered as ") + how;
 }
 
 std::string DeviceFabric::VisibilityName() const {
@@ -225,6 +231,7 @@ std::string DeviceFabric::VisibilityName() const {
 DeviceFabric::~DeviceFabric() {
   if (pump_) pump_->Drain(timeout_s_ < kDrainBoundS ? timeout_s_ : kDrainBoundS);
   pump_.reset();
+  stage_.reset();  // waits for its copies: they read and write the areas freed below
   // Our writes (not the engine's: it is shared) must be done before the areas they read are freed.
   const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(1);
   bool left = false;
@@ -245,6 +252,7 @@ DeviceFabric::~DeviceFabric() {
       for (Area* a : {&st.send, &st.recv}) {
         if (a->pinned) areas->buffers.push_back(std::move(a->pinned));
         if (a->hbm) areas->hbm.push_back(std::move(a->hbm));
+        if (a->mirror) areas->hbm.push_back(std::move(a->mirror));
       }
       areas->regions.push_back(std::move(st.send_mr));
       areas->regions.push_back(std::move(st.recv_mr));
@@ -295,9 +303,13 @@ void DeviceFabric::Connect(const std::vector<RemoteEndpoint>& peers, std::functi
     links.push_back({st.channel.get(), st.send_mr.get(), words, words + proxy::kBellWords});
   }
   // Before an arrival flag: a NIC's RDMA writes into GPU memory need a flush only where the GPU does not order them
-  // (visibility_); providers that copy GPU memory themselves never get GPU areas (Open).
+  // (visibility_); providers that copy GPU memory themselves never get GPU areas (Open). Staged: the copy engine
+  // brings a round's rows into HBM before its flag, and takes the device's rows out of HBM before the post.
   proxy::Pump::Hooks hooks;
-  if (on_gpu_ && visibility_ == RdmaVisibility::kFlush) {
+  if (stage_) {
+    hooks.before_post = [this](size_t link, uint64_t round) { return StageSend(link, round); };
+    hooks.before_arrival = [this](size_t link, uint64_t round) { return StageArrival(link, round); };
+  } else if (on_gpu_ && visibility_ == RdmaVisibility::kFlush) {
     const int ordinal = ordinal_;
     hooks.before_arrival = [ordinal](size_t, uint64_t) {  // on the engine's progress thread, which serves this GPU only
       static thread_local int current = -1;
@@ -306,23 +318,83 @@ void DeviceFabric::Connect(const std::vector<RemoteEndpoint>& peers, std::functi
         current = ordinal;
       }
       FlushRdmaWrites();
+      return true;
     };
   }
   if (const char* env = std::getenv("JAX_MOE_FABRIC_INSPECT"); env != nullptr && std::string(env) == "1") {
-    hooks.before_post = [this](size_t link, uint64_t round) { Inspect(link, round, /*received=*/false); };
+    // Each round once, when the device side is ready with it (the hooks are asked again until they are).
+    auto logged = std::make_shared<std::vector<uint64_t>>(2 * kFabricStreams, 0);
+    auto post = std::move(hooks.before_post);
+    hooks.before_post = [this, post, logged](size_t link, uint64_t round) {
+      if (post && !post(link, round)) return false;
+      if ((*logged)[2 * link] < round) Inspect(link, round, /*received=*/false);
+      (*logged)[2 * link] = round;
+      return true;
+    };
     auto arrival = std::move(hooks.before_arrival);
-    hooks.before_arrival = [this, arrival](size_t link, uint64_t round) {
+    hooks.before_arrival = [this, arrival, logged](size_t link, uint64_t round) {
       const auto t0 = std::chrono::steady_clock::now();
-      if (arrival) arrival(link, round);
+      if (arrival && !arrival(link, round)) return false;
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       if (ms > 1) JAX_MOE_LOG(kWarn, "inspect: the wait before flagging round %llu took %.1f ms", (unsigned long long)round, ms);
-      Inspect(link, round, /*received=*/true);
+      if ((*logged)[2 * link + 1] < round) Inspect(link, round, /*received=*/true);
+      (*logged)[2 * link + 1] = round;
       const fabric::EngineStats es = engine_->Stats();  // a provider call that blocked shows as a long phase
       JAX_MOE_LOG(kWarn, "inspect: longest progress phases so far: poll %.1f ms, hooks %.1f ms, post %.1f ms",
                   es.longest_poll_ns / 1e6, es.longest_hooks_ns / 1e6, es.longest_post_ns / 1e6);
+      return true;
     };
   }
   pump_ = std::make_unique<proxy::Pump>(std::move(links), timeout_s_, std::move(name), false, std::move(hooks));
+}
+
+// Staged, before posting `round` of stream `link`: each remote rank's region, as many bytes as the device wrote for it
+// (its byte words, written before it rang), from the HBM mirror into the registered host area.
+bool DeviceFabric::StageSend(size_t link, uint64_t round) {
+  const Stream& st = streams_[link];
+  return stage_->Ready(int(2 * link), round, /*to_device=*/false, [&] {
+    const proxy::Lanes lanes{shape_.num_ranks, kFabricLanes, st.region};
+    const uint64_t* bytes =
+        reinterpret_cast<const uint64_t*>(st.words->host()) + proxy::kBellWords + lanes.Lane(round) * shape_.num_ranks;
+    std::vector<StageCopies::Copy> copies;
+    for (int p = 0; p < shape_.num_ranks; ++p) {
+      if (!remote_[p]) continue;
+      const uint64_t at = lanes.Offset(round, p), n = __atomic_load_n(bytes + p, __ATOMIC_ACQUIRE);
+      copies.push_back({st.send.pinned->host() + at, st.send.mirror->data() + at, size_t(n < st.region ? n : st.region)});
+    }
+    return copies;
+  });
+}
+
+// Staged, before flagging `round` of stream `link`: each remote sender's region, as many bytes as its header says it
+// holds, from the registered host area into the HBM mirror the receive kernel reads.
+bool DeviceFabric::StageArrival(size_t link, uint64_t round) {
+  const Stream& st = streams_[link];
+  return stage_->Ready(int(2 * link + 1), round, /*to_device=*/true, [&] {
+    const proxy::Lanes lanes{shape_.num_ranks, kFabricLanes, st.region};
+    std::vector<StageCopies::Copy> copies;
+    for (int q = 0; q < shape_.num_ranks; ++q) {
+      if (!remote_[q]) continue;
+      const uint64_t at = lanes.Offset(round, q);
+      copies.push_back({st.recv.mirror->data() + at, st.recv.pinned->host() + at,
+                        size_t(ArrivedBytes(link, st.recv.pinned->host() + at))});
+    }
+    return copies;
+  });
+}
+
+// The bytes a received region holds, as the sender computed them (kernels: fabric.cu for dispatch, combine.cu), from
+// its header's rows clamped to the shape; a header that is not ours: the header alone (the kernel reports it).
+uint64_t DeviceFabric::ArrivedBytes(size_t link, const uint8_t* region) const {
+  proxy::RegionHeader h{};
+  std::memcpy(&h, region, sizeof(h));
+  const uint64_t bound = streams_[link].region;
+  if (h.magic != proxy::kRegionMagic) return FabricHeaderBytes(shape_);
+  const int64_t most = link == 0 ? shape_.max_tokens : shape_.rows_per_peer();
+  const int64_t rows = h.rows < 0 ? 0 : (h.rows > most ? most : h.rows);
+  const uint64_t n = link == 0 ? FabricRecordsOffset(shape_) + uint64_t(rows) * shape_.dispatch_row_bytes()
+                               : FabricHeaderBytes(shape_) + uint64_t(rows) * shape_.combine_row_bytes();
+  return n < bound ? n : bound;
 }
 
 // Reads, as a copy engine sees them (GPU memory: on a non-blocking stream of its own), the headers of `round`'s

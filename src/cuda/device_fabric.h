@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cuda/device_memory.h"
+#include "cuda/stage_copies.h"
 #include "fabric/transfer_engine.h"
 #include "kernels/moe_layout.h"
 #include "proxy/channel.h"
@@ -43,19 +44,22 @@ class PinnedBuffer {
 };
 
 // One fabric area (a stream's send or receive regions): in GPU memory where the engine registers device memory (the
-// NIC reads and writes HBM, the kernels too), else in pinned host memory mapped into the GPU.
+// NIC reads and writes HBM, the kernels too), else in pinned host memory, which the kernels either map (host) or
+// reach through a mirror in HBM that a copy engine keeps in step (staged).
 struct Area {
   std::unique_ptr<PinnedBuffer> pinned;
   std::unique_ptr<DeviceMemory> hbm;
+  std::unique_ptr<DeviceMemory> mirror;  // staged: what the kernels read and write
   size_t bytes = 0;  // registered and used (the allocation may be larger)
-  uint8_t* kernel() const { return hbm ? hbm->data() : pinned->device(); }
+  uint8_t* kernel() const { return hbm ? hbm->data() : mirror ? mirror->data() : pinned->device(); }
   void* registered() const { return hbm ? static_cast<void*>(hbm->data()) : static_cast<void*>(pinned->host()); }
-  size_t allocated() const { return hbm ? hbm->size() : pinned->size(); }
+  size_t allocated() const { return (hbm ? hbm->size() : pinned->size()) + (mirror ? mirror->size() : 0); }
 };
 
 // Where the fabric areas of a device live: "device" (GPU memory, or an error saying why not), "host" (pinned host
-// memory), "auto" (today: pinned host memory, the verified path; see DeviceFabric::Open).
-enum class AreaMemory { kAuto, kDevice, kHost };
+// memory mapped into the GPU), "staged" (pinned host memory on the wire, HBM for the kernels, a copy engine between),
+// "auto" (see DeviceFabric::Open).
+enum class AreaMemory { kAuto, kDevice, kHost, kStaged };
 AreaMemory ParseAreaMemory(const std::string& name);
 
 // One remote rank as the other process published it.
@@ -95,6 +99,7 @@ class DeviceFabric {
   // Where the areas live and how the engine registered them ("gpu, cuda (dmabuf)", "host, ..."), and, when GPU
   // memory was wanted and not used, why.
   bool on_gpu() const { return on_gpu_; }
+  bool staged() const { return stage_ != nullptr; }
   std::string MemoryName() const;
   const std::string& fallback_reason() const { return fallback_; }
   // What the proxy does so that NIC writes into GPU memory are visible to the kernels (areas on the GPU only).
@@ -110,8 +115,12 @@ class DeviceFabric {
   bool copies_gpu_memory() const { return CopiesGpuMemory(engine_->provider()); }
   // $JAX_MOE_FABRIC_INSPECT=1: logs the headers of a round's regions before posting / flagging them.
   void Inspect(size_t link, uint64_t round, bool received) const;
-  // A stream's area of `bytes` and its registration, on the GPU when on_gpu_.
-  std::pair<Area, std::shared_ptr<fabric::MemoryRegion>> NewArea(size_t bytes);
+  // A stream's area of `bytes` and its registration, on the GPU when on_gpu_ (with an HBM mirror when staged).
+  std::pair<Area, std::shared_ptr<fabric::MemoryRegion>> NewArea(size_t bytes, bool staged);
+  // The pump's hooks (Connect): the copy engine's work for a round of stream `link` before it is posted / flagged.
+  bool StageSend(size_t link, uint64_t round);
+  bool StageArrival(size_t link, uint64_t round);
+  uint64_t ArrivedBytes(size_t link, const uint8_t* region) const;  // what a received region's header says it holds
   struct Stream {
     std::unique_ptr<PinnedBuffer> words;  // bell (kBellWords), then bytes [kFabricLanes][N]
     Area send, recv;
@@ -139,6 +148,7 @@ class DeviceFabric {
   // Members in teardown order, last first (the destructor also orders it explicitly): the pump goes before the
   // channels, the channels and registrations before the engine handle.
   std::vector<Stream> streams_;
+  std::unique_ptr<StageCopies> stage_;  // staged: after the streams (its destructor waits for its copies)
   std::shared_ptr<fabric::TransferEngine> engine_;
   std::unique_ptr<proxy::Pump> pump_;
 };

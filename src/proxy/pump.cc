@@ -108,9 +108,8 @@ bool Pump::Step(Link& link, State& st) {
   const size_t index = size_t(&link - links_.data());
   auto& trace = traces_[index];
   if (rung > 0 && rung <= kTraceRounds && trace[rung - 1][0] == 0) trace[rung - 1][0] = NowNs();
-  // CanPost only for the hook (it must see a round that will be posted): PostArea checks the credits itself.
-  while (st.posted < rung &&
-         (!hooks_.before_post || (ch.CanPost(st.posted + 1) && (hooks_.before_post(index, st.posted + 1), true))) &&
+  // The hook runs as soon as the device rang (its copy overlaps the wait for credits); PostArea checks the credits.
+  while (st.posted < rung && (!hooks_.before_post || hooks_.before_post(index, st.posted + 1)) &&
          ch.PostArea(st.posted + 1, *link.area, link.bytes + lanes.Lane(st.posted + 1) * lanes.num_ranks)) {
     ++st.posted;
     if (st.posted <= kTraceRounds) trace[st.posted - 1][1] = NowNs();
@@ -123,7 +122,7 @@ bool Pump::Step(Link& link, State& st) {
     moved = true;
   }
   while (ch.Arrived(st.flagged + 1, nullptr)) {  // no list of who is missing on the data path: only for the error
-    if (hooks_.before_arrival) hooks_.before_arrival(index, st.flagged + 1);
+    if (hooks_.before_arrival && !hooks_.before_arrival(index, st.flagged + 1)) break;
     Store(link.bell + kArrived, ++st.flagged);
     if (st.flagged <= kTraceRounds) trace[st.flagged - 1][2] = NowNs();
     st.waiting_since = -1;
@@ -136,7 +135,14 @@ bool Pump::Step(Link& link, State& st) {
     if (st.waiting_since < 0) st.waiting_since = now;
     if (now - st.waiting_since > timeout_s_) {
       std::vector<int32_t> missing;
-      if (ch.Arrived(st.flagged + 1, &missing)) return true;  // it came in just now: the next pass flags it
+      if (ch.Arrived(st.flagged + 1, &missing)) {
+        if (now - st.waiting_since <= 2 * timeout_s_) return true;  // it came in just now: the next pass flags it
+        Stop(std::string(ch.config().name) + " on " + name_(ch.config().rank) + ": round " +
+                 std::to_string(st.flagged + 1) + " arrived, but the device side was not ready to read it within " +
+                 Format("%g", 2 * timeout_s_) + " s (a copy into GPU memory that never completed)",
+             ErrorCode::kInternal);
+        return false;
+      }
       std::string names;
       for (int32_t p : missing) names += (names.empty() ? "" : ", ") + name_(p);
       Stop(std::string(ch.config().name) + " on " + name_(ch.config().rank) + ": no data from " + names +

@@ -49,13 +49,16 @@ class Pump {
   };
   // `name(rank)` says where a rank runs, for errors. Starts serving at once.
   // own_thread: serve from a thread of its own even when one engine could host it (for comparison).
-  // What the device side runs on the pump's thread (null: nothing), with the link's index and the round:
-  // - before_arrival: before it raises a round's arrival flag (a GPU whose NIC writes need a flush, or whose
-  //   provider's copies must finish, before its kernels read them);
-  // - before_post: before it posts a round's regions (a check of what the device wrote, $JAX_MOE_FABRIC_INSPECT).
+  // What the device side runs on the pump's thread (null: nothing), with the link's index and the round. Each says
+  // whether the pump may go on; while it says false, the pump asks again on later passes (so it must not block, and
+  // must start its work once only):
+  // - before_arrival: before it raises a round's arrival flag (a GPU whose NIC writes need a flush, or whose rows
+  //   a copy engine must first bring from the wire's host memory into HBM);
+  // - before_post: before it posts a round's regions, once the device rang them (the device's rows copied from HBM
+  //   into the wire's host memory; a check of what the device wrote, $JAX_MOE_FABRIC_INSPECT).
   struct Hooks {
-    std::function<void(size_t link, uint64_t round)> before_arrival;
-    std::function<void(size_t link, uint64_t round)> before_post;
+    std::function<bool(size_t link, uint64_t round)> before_arrival;
+    std::function<bool(size_t link, uint64_t round)> before_post;
   };
   Pump(std::vector<Link> links, double timeout_s, std::function<std::string(int64_t)> name, bool own_thread = false,
        Hooks hooks = {});

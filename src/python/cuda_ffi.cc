@@ -164,6 +164,7 @@ void RegisterCuda(nb::module_& m) {
         d["provider"] = dev->fabric->provider();
         d["memory"] = dev->fabric->MemoryName();
         d["on_gpu"] = dev->fabric->on_gpu();
+        d["staged"] = dev->fabric->staged();
         d["fallback"] = dev->fabric->fallback_reason();
         d["visibility"] = dev->fabric->VisibilityName();
         d["bytes"] = dev->fabric->BytesAllocated();

@@ -43,7 +43,7 @@ def _run_workers(nproc: int, ranks_per_node: int, provider: str, rng, **extra_en
 
 
 def _expect_on_gpu(memory: str, provider: str) -> dict[str, str]:
-    """What the workers must find: "host" and "auto" host memory (auto stays on the verified host staging); "device"
+    """What the workers must find: "host", "staged" and "auto" host memory on the wire (auto stays on the verified host staging); "device"
     on shm and tcp a refusal that says why (they copy GPU memory with CUDA calls that do not complete while a
     receive kernel waits for them), on a NIC provider GPU memory."""
     if memory != "device":
@@ -55,11 +55,12 @@ def _expect_on_gpu(memory: str, provider: str) -> dict[str, str]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("memory", ["auto", "host", "device"])
+@pytest.mark.parametrize("memory", ["auto", "host", "staged", "device"])
 @pytest.mark.parametrize("provider", ["tcp", "shm"])
 def test_two_processes_as_two_nodes(provider, memory, rng):
     """2 processes x 1 GPU, ranks_per_node=1: every byte between the ranks goes through the proxies, with the areas in
-    pinned host memory ("host", "auto"); "device" is refused on these providers, naming why."""
+    pinned host memory ("host", "auto"), or there on the wire and in HBM for the kernels with a copy engine between
+    ("staged"); "device" is refused on these providers, naming why."""
     _run_workers(2, 1, provider, rng, JAX_MOE_FABRIC_MEMORY=memory, **_expect_on_gpu(memory, provider))
 
 
@@ -75,9 +76,10 @@ def test_two_processes_in_one_node(one_kernel, rng):
 
 
 @pytest.mark.multiprocess
-def test_four_processes_as_two_nodes_of_two_hybrid(rng):
+@pytest.mark.parametrize("memory", ["auto", "staged"])
+def test_four_processes_as_two_nodes_of_two_hybrid(memory, rng):
     """4 processes as 2 nodes x 2 ranks: NVLink (CUDA IPC) inside a node, the proxy between nodes, in one group."""
-    _run_workers(4, 2, "shm", rng, **_expect_on_gpu("auto", "shm"))
+    _run_workers(4, 2, "shm", rng, JAX_MOE_FABRIC_MEMORY=memory, **_expect_on_gpu(memory, "shm"))
 
 
 def test_one_process_driving_two_gpus_as_two_nodes(rng):
@@ -98,11 +100,12 @@ def test_one_process_driving_two_gpus_as_two_nodes(rng):
 
 
 @pytest.mark.multiprocess
-def test_a_killed_process_is_named_by_the_other_within_the_timeout():
+@pytest.mark.parametrize("memory", ["host", "staged"])
+def test_a_killed_process_is_named_by_the_other_within_the_timeout(memory):
     timeout_s = 4.0
     port = free_port()
     env = dict(_SHARED, MP_FAILURE_BACKEND="cuda", MP_WORKER_GPUS=str(min(_gpus(), 2)), JAX_MOE_RANKS_PER_NODE="1",
-               JAX_MOE_FABRIC_PROVIDER="tcp")
+               JAX_MOE_FABRIC_PROVIDER="tcp", JAX_MOE_FABRIC_MEMORY=memory)
     outs = launch("mp_failure_worker.py", [("kill", i, 2, port, timeout_s) for i in range(2)], timeout_s=200,
                   env=env, may_fail=(1,))
     m = re.search(r"ERROR after ([0-9.]+) s: (.*)", outs[0])
