@@ -56,6 +56,31 @@ def test_two_communicators_share_one_engine(tmp_path, provider):
         assert res == {"rank": r, "rounds": 9, "error": "", "bad_regions": []}
 
 
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+def test_hooks_not_ready_at_first_hold_each_round_back_in_order(tmp_path, provider):
+    """A GPU's copy engine (fabric_memory="staged") is not done when the pump first asks: the pump asks again on
+    later passes, posts and flags every round once, in order, and every region still arrives intact."""
+    if provider not in AVAILABLE:
+        pytest.skip(f"libfabric provider {provider} not built in")
+    results = run_ranks(tmp_path, 3, provider, rounds=9, mode="slow")
+    for r, res in results.items():
+        assert res == {"rank": r, "rounds": 9, "error": "", "bad_regions": []}
+
+
+def test_an_arrival_the_device_side_never_gets_ready_for_stops_the_pump(tmp_path):
+    """A copy into GPU memory that never completes: rank 0's pump stops within twice the timeout, saying so, instead
+    of leaving its receive kernel to wait; the others see rank 0 go quiet and fail naming it."""
+    if "tcp" not in AVAILABLE:
+        pytest.skip("libfabric provider tcp not built in")
+    t0 = time.monotonic()
+    results = run_ranks(tmp_path, 3, "tcp", rounds=3, mode="stuck")
+    assert time.monotonic() - t0 < 50
+    assert results[0]["rounds"] == 0, results[0]
+    assert "arrived, but the device side was not ready to read it within 10 s" in results[0]["error"], results[0]
+    for r in (1, 2):
+        assert results[r]["rounds"] <= 1 and results[r]["error"], results[r]
+
+
 def test_a_killed_peer_fails_the_survivors_within_the_timeout(tmp_path):
     if "tcp" not in AVAILABLE:
         pytest.skip("libfabric provider tcp not built in")

@@ -100,12 +100,31 @@ class PumpRank {
     }
     channel_->Connect(ids, std::move(regions));
   }
-  void Start(bool own_thread) {
+  // not_ready: the device side's hooks (a GPU's copy engine, cuda/stage_copies.h) say "not yet" to the first
+  // `not_ready` questions about each round before posting it and before flagging it; -1: the arrival hook never
+  // says yes (a copy that never completes). The hooks also check that they are asked in round order.
+  void Start(bool own_thread, int not_ready) {
     Require(!pump_, "PumpRank: started twice");
     Pump::Link link{channel_.get(), send_mr_.get(), reinterpret_cast<uint64_t*>(bell_.data()),
                     reinterpret_cast<const uint64_t*>(bytes_.data())};
+    Pump::Hooks hooks;
+    if (not_ready != 0) {
+      auto gate = [this, not_ready](int which, uint64_t round) {
+        Gate& g = gates_[which];
+        if (g.round != round) {
+          Require(round == g.round + 1, "PumpRank: a hook was asked about round " + std::to_string(round) +
+                                            " after round " + std::to_string(g.round));
+          g = {round, 0};
+        }
+        if (not_ready < 0) return which == 0;  // posts go out; arrivals are never ready
+        return ++g.calls > not_ready;
+      };
+      hooks.before_post = [gate](size_t, uint64_t round) { return gate(0, round); };
+      hooks.before_arrival = [gate](size_t, uint64_t round) { return gate(1, round); };
+    }
     pump_ = std::make_unique<Pump>(std::vector<Pump::Link>{link}, timeout_s_,
-                                   [](int64_t r) { return "rank " + std::to_string(r); }, own_thread);
+                                   [](int64_t r) { return "rank " + std::to_string(r); }, own_thread,
+                                   std::move(hooks));
   }
   void Close() {
     if (pump_) pump_->Drain(timeout_s_ < 5 ? timeout_s_ : 5);
@@ -216,6 +235,11 @@ class PumpRank {
   std::mutex mu_;
   std::condition_variable cv_;
   std::unique_ptr<proxy::Channel> channel_;
+  struct Gate {
+    uint64_t round = 0;
+    int calls = 0;
+  };
+  Gate gates_[2];  // the hooks' view (post, arrival), on the pump's thread only
   std::unique_ptr<Pump> pump_;
 };
 
@@ -237,7 +261,7 @@ void RegisterProxyTesting(nb::module_& m) {
       .def("address", &PumpRank::Address)
       .def("descriptor", &PumpRank::Descriptor)
       .def("connect", &PumpRank::Connect, nb::call_guard<nb::gil_scoped_release>())
-      .def("start", &PumpRank::Start, nb::arg("own_thread") = false)
+      .def("start", &PumpRank::Start, nb::arg("own_thread") = false, nb::arg("not_ready") = 0)
       .def("close", &PumpRank::Close, nb::call_guard<nb::gil_scoped_release>())
       .def("write_region", &PumpRank::WriteRegion)
       .def("read_region", &PumpRank::ReadRegion)
