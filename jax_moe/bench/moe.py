@@ -129,7 +129,8 @@ def main(argv) -> int:
         remote_tokens = count_remote_tokens(inputs[2], n, t, l)
         token_bytes = remote_tokens * (hidden * (1 if fp8 else 2) + cfg.num_scales * 4)
         comb_bytes = remote_rows * hidden * 2
-        # cuda with the weights at dispatch sums a token's rows per rank: one row per (token, other rank) comes back
+        # cuda with the weights at dispatch sums a token's rows per rank (over NVLink and across nodes alike): one row
+        # per (token, other rank) comes back
         comb_summed = remote_tokens * hidden * 2
         for backend in backends:
             native = backend.removesuffix("-entry")  # "-entry": weights given to combine, rows per (t, k)
@@ -177,8 +178,6 @@ def main(argv) -> int:
                 continue
             stats = report.summary(samples)
             fabric = comm.backend.fabric_info() if native == "cuda" else {}
-            # ranks on other nodes get rows per (t, k) back, not summed per token (docs/cuda.md)
-            summed = summed and not fabric
             rec = {"shape": shape, "tokens": t, "hidden": hidden, "experts": e, "topk": r, "fp8": fp8,
                    "ranks": n, "backend": backend, "stats": stats, "remote_dispatch_bytes": disp_bytes,
                    "remote_combine_bytes": comb_bytes, "seconds": time.perf_counter() - started}

@@ -51,12 +51,14 @@ __device__ __forceinline__ int4 PackBf16(const float (&acc)[8]) {
 constexpr int kSumVecs = 4, kSumBytes = kSumVecs * 32 * 16;
 
 // The reduced modes: this rank's own entries only record their rows (combine_recv reads them from expert_y); per
-// (token owner q on this node, token t, 2 KiB piece) one warp sums the rows of q's token t held here, weighted by the
-// weights dispatch carried (kWeighted) or by 1 (kUnit), in float32, and writes one bf16 row into q's entry of the
-// token's first k here (combine_recv knows it from topk_idx). Rows come from the route table of dispatch_recv, for
-// the tokens each sender dispatched (the route's sent counts: the work follows them, not max_tokens); rows at or past
-// `total` (a route not from dispatch_recv) are skipped.
-__device__ void SendSums(const KernelArgs& a, Part part, int ch, int mode, const uint8_t* y, const int32_t* route, long long total) {
+// (token owner q, token t, 2 KiB piece) one warp sums the rows of q's token t held here, weighted by the weights
+// dispatch carried (kWeighted) or by 1 (kUnit), in float32, and writes one bf16 row: on this node into q's entry of
+// the token's first k here (combine_recv knows it from topk_idx), for q on another node into row t of q's region
+// (t is then the token's slot in the region q sent; `fab_free`: that region may be written). Rows come from the
+// route table of dispatch_recv, for the tokens each sender dispatched (the route's sent counts: the work follows
+// them, not max_tokens); rows at or past `total` (a route not from dispatch_recv) are skipped.
+__device__ void SendSums(const KernelArgs& a, Part part, int ch, int mode, const uint8_t* y, const int32_t* route,
+                         long long total, const FabricArgs& fab, unsigned long long epoch, bool fab_free) {
   const MoeShape& s = a.s;
   const int n = s.num_ranks, r = s.experts_per_token, lane = threadIdx.x & 31;
   const long long entries = s.entries();
@@ -68,7 +70,7 @@ __device__ void SendSums(const KernelArgs& a, Part part, int ch, int mode, const
     int at = 0;
     for (int q = 0; q < n; ++q) {
       first_pair[q] = at;
-      const int v = q == a.rank || IsRemote(a, q) ? 0 : sent[q];
+      const int v = q == a.rank || (IsRemote(a, q) && !fab_free) ? 0 : sent[q];
       at += v < 0 ? 0 : (v > s.max_tokens ? s.max_tokens : v);  // a route not from dispatch_recv may hold anything
     }
     first_pair[n] = at;
@@ -103,7 +105,8 @@ __device__ void SendSums(const KernelArgs& a, Part part, int ch, int mode, const
       if (row >= total) row = -1;
     }
     unsigned m = __ballot_sync(0xffffffffu, row >= 0);
-    if (m == 0) continue;  // no entry of this token is here
+    const bool remote = IsRemote(a, q);
+    if (m == 0 && !remote) continue;  // no entry of this token is here (a remote slot always gets its row: zeros)
     const int first = __ffs(m) - 1;
     const int vecs = (row_bytes - off < kSumBytes ? row_bytes - off : kSumBytes) >> 4;
     float acc[kSumVecs][8];
@@ -126,7 +129,9 @@ __device__ void SendSums(const KernelArgs& a, Part part, int ch, int mode, const
       for (int u = 0; u < kSumVecs; ++u)
         if (lane + 32 * u < vecs) FmaBf16(acc[u], wk, v[u]);
     }
-    int4* dst = reinterpret_cast<int4*>(Peer(a, q) + a.lay.comb + (ch * entries + static_cast<long long>(t) * r + first) * row_bytes + off);
+    int4* dst = reinterpret_cast<int4*>(
+        remote ? SendRegion(fab, a, epoch, q) + FabricHeaderBytes(s) + static_cast<size_t>(t) * row_bytes + off
+               : Peer(a, q) + a.lay.comb + (ch * entries + static_cast<long long>(t) * r + first) * row_bytes + off);
 #pragma unroll
     for (int u = 0; u < kSumVecs; ++u)
       if (lane + 32 * u < vecs) dst[lane + 32 * u] = PackBf16(acc[u]);
@@ -158,16 +163,21 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Pa
   if (a.num_remote > 0) {
     for (int f = threadIdx.x; f <= blocks; f += blockDim.x) sstart[f] = route[rows + 1 + f];
     __syncthreads();
-    if (threadIdx.x < n && IsRemote(a, threadIdx.x)) {  // rows go back expert after expert, as q sent them
+    if (threadIdx.x < n && IsRemote(a, threadIdx.x)) {
       const int q = threadIdx.x;
-      long long at = 0;  // a route not from dispatch_recv may hold anything: 64-bit sums, clamped to C
-      for (int e = 0; e < s.local_experts; ++e) {
-        const int f = e * n + q;
-        const long long c = static_cast<long long>(sstart[f + 1]) - sstart[f];
-        qoff[f] = static_cast<int>(at < s.rows_per_peer() ? at : s.rows_per_peer());
-        at += c > 0 ? c : 0;
+      long long at = 0;  // a route not from dispatch_recv may hold anything: 64-bit sums, clamped
+      if (mode == kPerEntry) {  // rows go back expert after expert, as q sent them
+        for (int e = 0; e < s.local_experts; ++e) {
+          const int f = e * n + q;
+          const long long c = static_cast<long long>(sstart[f + 1]) - sstart[f];
+          qoff[f] = static_cast<int>(at < s.rows_per_peer() ? at : s.rows_per_peer());
+          at += c > 0 ? c : 0;
+        }
+        if (at > s.rows_per_peer()) at = s.rows_per_peer();
+      } else {  // one summed row per slot of the region q sent (SendSums)
+        at = route[RouteSentOffset(s) + q];
+        at = at < 0 ? 0 : (at > s.max_tokens ? s.max_tokens : at);
       }
-      if (at > s.rows_per_peer()) at = s.rows_per_peer();
       if (part.id == 0 && free_ok) {
         uint8_t* region = SendRegion(fab, a, epoch, q);
         StoreHeader(region, fab, a, epoch, static_cast<int>(at));
@@ -181,15 +191,14 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Pa
   total = total < 0 ? 0 : (total > rows ? rows : total);
   const int lane = threadIdx.x & 31;
   const int chunks = ChunksOf(s.combine_row_bytes());
-  // Per row: every row in kPerEntry, else only the rows of ranks on other nodes.
-  const long long items = mode != kPerEntry && a.num_remote == 0 ? 0 : total * chunks;
+  // Per row in kPerEntry; the reduced modes sum per token below, for every rank.
+  const long long items = mode != kPerEntry ? 0 : total * chunks;
   for (long long item = part.id * kWarps + (threadIdx.x >> 5); item < items; item += part.count * kWarps) {
     const long long i = item / chunks;
     const int off = static_cast<int>(item - i * chunks) * kChunkBytes;
     const int from = route[i];
     const int q = static_cast<int>(from / entries);
     if (from < 0 || q >= s.num_ranks) continue;
-    if (mode != kPerEntry && !IsRemote(a, q)) continue;  // summed per token below
     const long long tk = from - q * entries;
     if (IsRemote(a, q)) {  // into q's region, at the place of row i among q's rows
       if (!free_ok) continue;
@@ -212,7 +221,7 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Pa
     const int bytes = s.combine_row_bytes() - off < kChunkBytes ? s.combine_row_bytes() - off : kChunkBytes;
     WarpCopy16(Peer(a, q) + a.lay.comb + (ch * entries + tk) * s.combine_row_bytes() + off, y + i * s.combine_row_bytes() + off, bytes, lane);
   }
-  if (mode != kPerEntry) SendSums(a, part, ch, mode, y, route, total);
+  if (mode != kPerEntry) SendSums(a, part, ch, mode, y, route, total, fab, epoch, a.num_remote > 0 && free_ok);
   FinishPart(a, part, half, [&](LocalSync* ls) {
     for (int p = 0; p < n; ++p)
       if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, flag) + a.rank, epoch);
@@ -297,18 +306,21 @@ __device__ void CombineRecvBody(const KernelArgs& a, const CombineRecvIo& io, Pa
       wt = 0.f;
     } else if (p == a.rank) {
       if (i_self >= 0 && i_self < s.max_recv_rows()) row = y + static_cast<size_t>(i_self) * s.combine_row_bytes(); else wt = 0.f;
-    } else if (IsRemote(a, p)) {
+    } else if (IsRemote(a, p)) {  // its row in p's region: per entry, or (reduced modes) the token's summed row
       const int32_t i = fpos[entry];
-      if (pok[p] && i >= 0 && i < fexp[p])
+      if (pok[p] && i >= 0 && i < fexp[p]) {
         row = RecvRegion(fab, a, epoch, p) + FabricHeaderBytes(s) + static_cast<size_t>(i) * s.combine_row_bytes();
-      else
+        if (mode != kPerEntry) wt = 1.f;
+      } else {
         wt = 0.f;
+      }
     } else if (mode != kPerEntry) {
       wt = 1.f;  // the peer sent this token's rows on it as one weighted sum, in the entry of its first k there
     }
-    // That first k: the lowest lane of the entries on the same peer (sent entries only).
+    // A peer's sum counts once, at the token's first k there: the lowest lane of the entries on the same peer (sent
+    // entries only).
     const unsigned on_p = __match_any_sync(0xffffffffu, g >= 0 ? p : -2 - lane);
-    if (g >= 0 && mode != kPerEntry && p != a.rank && !IsRemote(a, p) && (on_p & ((1u << lane) - 1u))) wt = 0.f;
+    if (g >= 0 && mode != kPerEntry && p != a.rank && (on_p & ((1u << lane) - 1u))) wt = 0.f;
     const unsigned long long row_bits = reinterpret_cast<unsigned long long>(row);
     for (int piece = p0; piece < p1; ++piece) {
       const int c0 = piece * kPieceVecs + lane;
@@ -440,7 +452,7 @@ cudaError_t LaunchCombineSend(const KernelArgs& a, const CombineSendIo& io, cuda
 
 cudaError_t LaunchCombineRecv(const KernelArgs& a, const CombineRecvIo& io, cudaStream_t stream) {
   if (a.num_remote > 0) {  // first: where each remote entry's row will sit
-    if (cudaError_t err = LaunchCombineIndex(a, io.channel, io.tokens, io.topk_idx, stream); err != cudaSuccess)
+    if (cudaError_t err = LaunchCombineIndex(a, io.channel, io.mode, io.tokens, io.topk_idx, stream); err != cudaSuccess)
       return err;
   }
   CombineRecvKernel<<<CombineRecvShape(a, io.tokens).blocks, kRecvThreads, CombineRecvSmem(a), stream>>>(a, io);

@@ -149,9 +149,10 @@ constexpr int kTableTokens = 64;  // tokens of one route-table job
 // memory, then the job writes all its slots, so every slot of a token sent (t < sent[q]) is written each round
 // without a grid-wide barrier; jobs past a sender's tokens do nothing (buffers sized for prefill cost nothing more at
 // decode). Entries from a peer are bounded (t in the job, k < R, i < the checked count) before they are followed.
+// A sender on another node: its region's list (block f from loff[f]) and records, t being the token's slot there.
 __device__ void FillRouteTable(const KernelArgs& a, Part part, const int* start, const int* ok, const int* sent,
                                const int32_t* list, const uint8_t* toks, const float* w, int x_tokens, int* tab,
-                               int32_t* route) {
+                               int32_t* route, const FabricArgs& fab, unsigned long long epoch, const int* loff) {
   const MoeShape& s = a.s;
   const int n = s.num_ranks, l = s.local_experts, r = s.experts_per_token;
   const int chunks = (s.max_tokens + kTableTokens - 1) / kTableTokens;
@@ -163,10 +164,12 @@ __device__ void FillRouteTable(const KernelArgs& a, Part part, const int* start,
     const int tn = sent[q] - t0 < kTableTokens ? sent[q] - t0 : kTableTokens;
     for (int j = threadIdx.x; j < kTableTokens * r; j += blockDim.x) tab[j] = -1;
     __syncthreads();
-    if (ok[q] && !IsRemote(a, q)) {
+    const bool remote = IsRemote(a, q);
+    if (ok[q]) {
       for (int e = threadIdx.x; e < l; e += blockDim.x) {
         const int f = e * n + q, count = start[f + 1] - start[f];
-        const int32_t* lst = list + (static_cast<size_t>(q) * l + e) * s.max_tokens;
+        const int32_t* lst = remote ? reinterpret_cast<const int32_t*>(RecvRegion(fab, a, epoch, q) + FabricHeaderBytes(s)) + loff[f]
+                                    : list + (static_cast<size_t>(q) * l + e) * s.max_tokens;
         int lo, hi;
         LowerBounds(lst, count, t0 * r, (t0 + tn) * r, lo, hi);
         for (int i = lo; i < hi; ++i) {
@@ -183,8 +186,9 @@ __device__ void FillRouteTable(const KernelArgs& a, Part part, const int* start,
       if (row >= 0 && w && q == a.rank) {
         wt = t < x_tokens ? w[static_cast<size_t>(t) * r + k] : 0.f;
       } else if (row >= 0 && w) {  // the record was written this round: the token has a row here
-        wt = __ldcg(reinterpret_cast<const float*>(toks + (static_cast<size_t>(q) * s.max_tokens + t) * RecordBytes(s) +
-                                                   s.x_bytes() + s.scale_bytes()) + k);
+        const uint8_t* rec = remote ? RecvRegion(fab, a, epoch, q) + FabricRecordsOffset(s) + static_cast<size_t>(t) * FabricRecordBytes(s)
+                                    : toks + (static_cast<size_t>(q) * s.max_tokens + t) * RecordBytes(s);
+        wt = __ldcg(reinterpret_cast<const float*>(rec + s.x_bytes() + s.scale_bytes()) + k);
       }
       const size_t at = (static_cast<size_t>(q) * s.max_tokens + t0) * r + j;
       rows[at] = row;
@@ -218,7 +222,7 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io, 
   int* warp_sums = ok + n;          // [32]
   int* loff = warp_sums + 32;       // [blocks]: remote senders only: where block f's entries start in q's list
   int* frows = loff + blocks;       // [n]: remote senders only: token records in q's region
-  int* sent = frows + n;            // [n]: tokens each sender on this node dispatched (checked), 0 for remote ones
+  int* sent = frows + n;            // [n]: tokens each sender dispatched (checked); a remote one: its region's slots
   int* tab = sent + n;              // [kTableTokens * R]: the rows of one route-table job's entries
   __shared__ int fab_ok;
   const unsigned long long epoch = Local(a)->epoch[kDispatchRecv] + 1;
@@ -241,7 +245,7 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io, 
   }
   if (threadIdx.x < n) {
     const int q = threadIdx.x;
-    int v = 0;
+    int v = IsRemote(a, q) ? frows[q] : 0;  // a remote sender: the slots of its region (its header, checked)
     if (ok[q] && !IsRemote(a, q)) {
       v = __ldcg(reinterpret_cast<const int32_t*>(a.base + a.lay.sent) + q);
       if (v < 0 || v > s.max_tokens || (q == a.rank && v != x_tokens)) {
@@ -296,7 +300,7 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io, 
   const int lane = threadIdx.x & 31;
   const int32_t* list = reinterpret_cast<const int32_t*>(a.base + a.lay.list);
   const uint8_t* toks = a.base + a.lay.tokens;
-  FillRouteTable(a, part, start, ok, sent, list, toks, w, x_tokens, tab, route);
+  FillRouteTable(a, part, start, ok, sent, list, toks, w, x_tokens, tab, route, fab, epoch, loff);
   const long long entries = s.entries(), rows = padding == kPadLeave ? total : s.max_recv_rows();
   // Warp w takes rows w, w + W, w + 2W, ... (W warps in the grid), 32 at a time: lane j first finds the source of
   // the j-th (one list load each, all in flight together), then the warp copies or zeroes the 32 rows in turn.
@@ -313,20 +317,18 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io, 
       }
       const int e = lo / n;
       my_q = lo - e * n;
-      if (IsRemote(a, my_q)) {  // slot * R + k: the slot must be one of the records q sent
-        my_tk = reinterpret_cast<const int32_t*>(RecvRegion(fab, a, epoch, my_q) + FabricHeaderBytes(s))[loff[lo] + (mine - start[lo])];
-        if (my_tk >= 0 && my_tk / s.experts_per_token >= frows[my_q]) my_tk = -1;
-      } else {
-        // A list is in token order (dispatch_send scans the tokens in order), which the route table's searches rely
-        // on: an entry not above the one before it is bad data, reported below rather than missed by the table.
-        const int32_t* lst = list + (static_cast<size_t>(my_q) * l + e) * s.max_tokens + (mine - start[lo]);
-        my_tk = __ldcg(lst);
-        if (mine > start[lo] && __ldcg(lst - 1) >= my_tk) my_tk = -1;
-      }
-      // Own tokens are read from dispatch_send's x: one past its rows cannot come from our own send; a token of a
-      // sender on this node is below the tokens it said it sent (the route table covers only those).
-      if (my_tk < 0 || my_tk >= entries ||
-          (!IsRemote(a, my_q) && my_tk / s.experts_per_token >= sent[my_q])) {
+      // A list is in token (or slot) order, as its sender scans them, which the route table's searches rely on: an
+      // entry not above the one before it is bad data, reported below rather than missed by the table.
+      const int32_t* lst =
+          IsRemote(a, my_q)
+              ? reinterpret_cast<const int32_t*>(RecvRegion(fab, a, epoch, my_q) + FabricHeaderBytes(s)) + loff[lo]
+              : list + (static_cast<size_t>(my_q) * l + e) * s.max_tokens;
+      lst += mine - start[lo];
+      my_tk = __ldcg(lst);
+      if (mine > start[lo] && __ldcg(lst - 1) >= my_tk) my_tk = -1;
+      // Own tokens are read from dispatch_send's x: one past its rows cannot come from our own send; a token (a
+      // remote sender's slot) is below the tokens (slots) its sender said it sent: the route table covers only those.
+      if (my_tk < 0 || my_tk >= entries || my_tk / s.experts_per_token >= sent[my_q]) {
         RaiseError(a, kBadPeerData, my_q);
         my_tk = -1;
       }
@@ -348,7 +350,7 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io, 
       // Own tokens were not copied: straight from dispatch_send's input.
       const uint8_t* src =
           q == a.rank      ? x + static_cast<size_t>(t) * s.x_bytes()
-          : IsRemote(a, q) ? RecvRegion(fab, a, epoch, q) + FabricRecordsOffset(s) + static_cast<size_t>(t) * s.dispatch_row_bytes()
+          : IsRemote(a, q) ? RecvRegion(fab, a, epoch, q) + FabricRecordsOffset(s) + static_cast<size_t>(t) * FabricRecordBytes(s)
                            : toks + (static_cast<size_t>(q) * s.max_tokens + t) * RecordBytes(s);
       // The scales' loads go first and their stores last, so that they wait out one latency with the row's.
       const uint8_t* src_scale = !os ? nullptr : q == a.rank ? xs + static_cast<size_t>(t) * s.scale_bytes() : src + s.x_bytes();
@@ -414,7 +416,7 @@ LaunchShape DispatchShape(const KernelArgs& a, int tokens) {
 cudaError_t LaunchDispatchSend(const KernelArgs& a, const DispatchSendIo& io, cudaStream_t stream) {
   const int grid = DispatchSendShape(a, io.tokens).blocks;
   if (a.num_remote > 0) {  // first: it reads the epoch the NVLink kernel advances
-    if (cudaError_t err = LaunchDispatchPack(a, io.tokens, io.x, io.x_scale, io.topk_idx, stream); err != cudaSuccess)
+    if (cudaError_t err = LaunchDispatchPack(a, io.tokens, io.x, io.x_scale, io.topk_weights, io.topk_idx, stream); err != cudaSuccess)
       return err;
   }
   DispatchSendKernel<<<grid, kThreads, 0, stream>>>(a, io);

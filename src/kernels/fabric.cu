@@ -62,7 +62,8 @@ __device__ void ForEachTokenOf(int g, int tokens, int r, const int32_t* idx, int
 // offsets of p's experts itself (one pass over topk_idx), so no block waits for another; block b then writes the lists
 // of p's experts b, b + per_rank, ... and the records of tokens b * kWarps + warp, ... The last block rings the bell.
 __global__ void __launch_bounds__(kThreads)
-    DispatchPackKernel(KernelArgs a, int per_rank, int tokens, const uint8_t* x, const uint8_t* xs, const int32_t* idx) {
+    DispatchPackKernel(KernelArgs a, int per_rank, int tokens, const uint8_t* x, const uint8_t* xs, const float* w,
+                       const int32_t* idx) {
   extern __shared__ int smem[];
   const MoeShape& s = a.s;
   const int r = s.experts_per_token, l = s.local_experts;
@@ -106,9 +107,11 @@ __global__ void __launch_bounds__(kThreads)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int t = b * kWarps + warp; t < tokens; t += per_rank * kWarps) {
       if (slot[t] < 0) continue;
-      uint8_t* dst = records + static_cast<size_t>(slot[t]) * s.dispatch_row_bytes();
+      uint8_t* dst = records + static_cast<size_t>(slot[t]) * FabricRecordBytes(s);
       WarpCopy16(dst, x + static_cast<size_t>(t) * s.x_bytes(), s.x_bytes(), lane);
       if (xs) WarpCopy4(dst + s.x_bytes(), xs + static_cast<size_t>(t) * s.scale_bytes(), s.scale_bytes(), lane);
+      if (w && lane < r)  // the expert rank weights and sums this token's rows by them (combine kWeighted)
+        reinterpret_cast<float*>(dst + s.x_bytes() + s.scale_bytes())[lane] = w[static_cast<size_t>(t) * r + lane];
     }
     if (b == 0) {
       int32_t* counts = proxy::HeaderCounts(reinterpret_cast<proxy::RegionHeader*>(region));
@@ -116,7 +119,7 @@ __global__ void __launch_bounds__(kThreads)
       if (threadIdx.x == 0) {
         StoreHeader(region, fab, a, epoch, slots);
         fab.bytes[(epoch % kFabricLanes) * s.num_ranks + p] =
-            FabricRecordsOffset(s) + static_cast<unsigned long long>(slots) * s.dispatch_row_bytes();
+            FabricRecordsOffset(s) + static_cast<unsigned long long>(slots) * FabricRecordBytes(s);
       }
     }
   }
@@ -134,25 +137,49 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // combine_recv's index: for every entry whose expert g sits on a remote rank p, the row of p's combine region that
-// holds it (p returns rows in the order it received them: local expert, then token), and per p the rows it owes.
-// A pure function of topk_idx, so it holds whatever dispatch came before. Block (i, b) as in DispatchPackKernel.
+// holds it, and per p the rows it owes. kPerEntry: p returns rows in the order it received them (local expert, then
+// token); the reduced modes: one summed row per token, at the token's slot in the region dispatch sent p (tokens in
+// order, those with an entry on p), written at each of its entries on p (combine_recv counts the first). A pure
+// function of topk_idx, so it holds whatever dispatch came before. Block (i, b) as in DispatchPackKernel.
 __global__ void __launch_bounds__(kThreads)
-    CombineIndexKernel(KernelArgs a, int ch, int per_rank, int tokens, const int32_t* idx) {
+    CombineIndexKernel(KernelArgs a, int ch, int mode, int per_rank, int tokens, const int32_t* idx) {
   extern __shared__ int smem[];
   const MoeShape& s = a.s;
-  const int l = s.local_experts;
+  const int l = s.local_experts, r = s.experts_per_token;
   int* cnt = smem;      // [l]
   int* off = cnt + l;   // [l + 1]
   __shared__ int warp_count[kWarps];
   const int b = blockIdx.x % per_rank;
   const int p = RemoteRank(a, blockIdx.x / per_rank);
   if (p < 0) return;  // the same for the whole block
-  CountEntries(a, p, tokens, idx, cnt, off);
   int32_t* fpos = reinterpret_cast<int32_t*>(a.base + a.lay.fpos) + static_cast<size_t>(ch) * s.entries();
-  if (b == 0 && threadIdx.x == 0) reinterpret_cast<int32_t*>(a.base + a.lay.fexp)[ch * s.num_ranks + p] = off[l];
+  int32_t* fexp = reinterpret_cast<int32_t*>(a.base + a.lay.fexp) + ch * s.num_ranks;
+  if (mode != kPerEntry) {  // the slots, as DispatchPackKernel numbers them; one block a rank is plenty
+    if (b != 0) return;
+    int slots = 0;
+    for (int base = 0; base < tokens; base += kThreads) {
+      const int t = base + threadIdx.x;
+      bool goes = false;
+      if (t < tokens)
+        for (int k = 0; k < r; ++k) {
+          const int g = SentExpert(idx + static_cast<size_t>(t) * r, k, s.num_experts);
+          goes |= g >= 0 && g / l == p;
+        }
+      const int at = BlockRank(goes, warp_count, slots);
+      if (goes)
+        for (int k = 0; k < r; ++k) {
+          const int g = SentExpert(idx + static_cast<size_t>(t) * r, k, s.num_experts);
+          if (g >= 0 && g / l == p) fpos[static_cast<size_t>(t) * r + k] = at;
+        }
+    }
+    if (threadIdx.x == 0) fexp[p] = slots;
+    return;
+  }
+  CountEntries(a, p, tokens, idx, cnt, off);
+  if (b == 0 && threadIdx.x == 0) fexp[p] = off[l];
   for (int e = b; e < l; e += per_rank) {
-    ForEachTokenOf(p * l + e, tokens, s.experts_per_token, idx, warp_count, [&](int t, int kf, int i) {
-      fpos[static_cast<size_t>(t) * s.experts_per_token + kf] = off[e] + i;
+    ForEachTokenOf(p * l + e, tokens, r, idx, warp_count, [&](int t, int kf, int i) {
+      fpos[static_cast<size_t>(t) * r + kf] = off[e] + i;
     });
   }
 }
@@ -174,21 +201,21 @@ cudaError_t AllowSmem(const void* kernel, size_t smem) {
 }  // namespace
 
 cudaError_t LaunchDispatchPack(const KernelArgs& a, int tokens, const void* x, const void* x_scale,
-                               const int32_t* topk_idx, cudaStream_t stream) {
+                               const float* topk_weights, const int32_t* topk_idx, cudaStream_t stream) {
   const int per = PerRank(a, tokens);
   const size_t smem = sizeof(int) * (a.s.max_tokens + 2 * a.s.local_experts + 1);
   if (cudaError_t err = AllowSmem(reinterpret_cast<const void*>(DispatchPackKernel), smem); err != cudaSuccess) return err;
   DispatchPackKernel<<<per * a.num_remote, kThreads, smem, stream>>>(
-      a, per, tokens, static_cast<const uint8_t*>(x), static_cast<const uint8_t*>(x_scale), topk_idx);
+      a, per, tokens, static_cast<const uint8_t*>(x), static_cast<const uint8_t*>(x_scale), topk_weights, topk_idx);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchCombineIndex(const KernelArgs& a, int channel, int tokens, const int32_t* topk_idx,
+cudaError_t LaunchCombineIndex(const KernelArgs& a, int channel, int mode, int tokens, const int32_t* topk_idx,
                                cudaStream_t stream) {
   const int per = PerRank(a, tokens);
   const size_t smem = sizeof(int) * (2 * a.s.local_experts + 1);
   if (cudaError_t err = AllowSmem(reinterpret_cast<const void*>(CombineIndexKernel), smem); err != cudaSuccess) return err;
-  CombineIndexKernel<<<per * a.num_remote, kThreads, smem, stream>>>(a, channel, per, tokens, topk_idx);
+  CombineIndexKernel<<<per * a.num_remote, kThreads, smem, stream>>>(a, channel, mode, per, tokens, topk_idx);
   return cudaGetLastError();
 }
 

@@ -11,10 +11,10 @@ namespace jax_moe::cuda {
 // The regions of dispatch_send's remote ranks into the send area, then the bell (before the NVLink kernel, which
 // advances the epoch).
 cudaError_t LaunchDispatchPack(const KernelArgs& a, int tokens, const void* x, const void* x_scale,
-                               const int32_t* topk_idx, cudaStream_t stream);
+                               const float* topk_weights, const int32_t* topk_idx, cudaStream_t stream);
 
-// combine_recv's index of remote rows (before combine_recv's kernel).
-cudaError_t LaunchCombineIndex(const KernelArgs& a, int channel, int tokens, const int32_t* topk_idx,
+// combine_recv's index of remote rows for combine mode `mode` (before combine_recv's kernel).
+cudaError_t LaunchCombineIndex(const KernelArgs& a, int channel, int mode, int tokens, const int32_t* topk_idx,
                                cudaStream_t stream);
 
 }  // namespace jax_moe::cuda

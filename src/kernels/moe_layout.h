@@ -94,7 +94,8 @@ JAX_MOE_HD inline int RecordBytes(const MoeShape& s) {
 // How combine_send returns rows. kPerEntry: one row per (t, k), weighted by combine_recv. kWeighted: per token owner
 // s and token t, the rows this rank holds are weighted (the weights dispatch_send carried) and summed in float32, and
 // one bf16 row goes back, into the entry of the token's first k on this rank; kUnit: the same with unit weights (the
-// transpose of dispatch). Ranks on other nodes always get kPerEntry rows (their regions hold (t, k) rows).
+// transpose of dispatch). Ranks on other nodes get the same sums, one row per token in the slot order of dispatch's
+// region (see "ranks on other nodes").
 enum CombineMode { kPerEntry = 0, kWeighted = 1, kUnit = 2 };
 
 // What dispatch_recv writes into expert_x's padding rows (at or after the rows received): nothing (the contract leaves
@@ -123,11 +124,11 @@ inline MoeLayout MakeLayout(const MoeShape& s) {
 
 // route of dispatch_recv (int32): [M] rows' origins, [M] rows received, then [E + 1] the exclusive prefix of the rows
 // per (local expert, sender) block, which combine_send needs to pack a remote rank's rows in its order; then [n] the
-// tokens each sender on this node dispatched (0 for senders on other nodes); then per (sender s, token t, k) the
+// tokens each sender on this node dispatched (for senders on other nodes: the slots of their region); then per (sender s, token t, k) the
 // expert_x row of entry (t, k) of s ([n][max_tokens][R], -1 where none is here) and its router weight as float32 bits
 // (0 where none), which the reduced combine modes sum by. Only the slots of tokens t < sent[s] are written each round:
-// the table's work follows the tokens sent, not max_tokens (not filled for senders on other nodes: their rows go back
-// per entry).
+// the table's work follows the tokens sent, not max_tokens. For a sender on another node, t is the token's slot in
+// its region and sent[s] the slots it sent.
 JAX_MOE_HD inline int64_t RouteSentOffset(const MoeShape& s) { return s.max_recv_rows() + 2 + s.num_experts; }
 JAX_MOE_HD inline int64_t RouteTableOffset(const MoeShape& s) { return RouteSentOffset(s) + s.num_ranks; }
 JAX_MOE_HD inline int64_t RouteTableLength(const MoeShape& s) { return int64_t(s.num_ranks) * s.entries(); }
@@ -139,8 +140,11 @@ JAX_MOE_HD inline int64_t RouteLength(const MoeShape& s) { return RouteWeightsOf
 // memory mapped into the GPU, [kFabricLanes][N] regions of one sender each (proxy::Lanes), and the pump's bell and
 // byte words. A region starts with a proxy::RegionHeader (dispatch: + the per-local-expert counts), then
 //   dispatch: int32 list[C] (entries in (local expert, token) order, each slot * R + k), then the token records, slot
-//             after slot (each token once per destination rank, in token order);
-//   combine:  the rows returned to the token owner in the order it sent them (local expert, then token).
+//             after slot (each token once per destination rank, in token order; records as over NVLink, RecordBytes:
+//             the row, its scales, its R router weights, so that the expert rank can weight and sum);
+//   combine:  kPerEntry: the rows returned to the token owner in the order it sent them (local expert, then token);
+//             kWeighted, kUnit: one row per slot, the token's rows held by the expert rank weighted and summed there
+//             (as NVLink peers return them), so a token costs one row per remote rank, not one per (t, k).
 // Both ends compute every offset alike; the counts and the header's rows say how much is valid.
 constexpr int kFabricLanes = 1;  // one round per stream in flight, as on NVLink
 constexpr int kFabricStreams = 1 + kCombineChannels;
@@ -149,9 +153,11 @@ JAX_MOE_HD inline uint64_t FabricHeaderBytes(const MoeShape& s) { return proxy::
 JAX_MOE_HD inline uint64_t FabricRecordsOffset(const MoeShape& s) {
   return FabricHeaderBytes(s) + AlignUp(4 * uint64_t(s.rows_per_peer()), 64);
 }
+JAX_MOE_HD inline int FabricRecordBytes(const MoeShape& s) { return RecordBytes(s); }
 JAX_MOE_HD inline uint64_t FabricDispatchRegion(const MoeShape& s) {
-  return AlignUp(FabricRecordsOffset(s) + uint64_t(s.max_tokens) * s.dispatch_row_bytes(), 64);
+  return AlignUp(FabricRecordsOffset(s) + uint64_t(s.max_tokens) * FabricRecordBytes(s), 64);
 }
+
 JAX_MOE_HD inline uint64_t FabricCombineRegion(const MoeShape& s) {
   return AlignUp(FabricHeaderBytes(s) + uint64_t(s.rows_per_peer()) * s.combine_row_bytes(), 64);
 }
