@@ -203,7 +203,6 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory) {
     st.words = std::make_unique<PinnedBuffer>(sizeof(uint64_t) * (proxy::kBellWords + kFabricLanes * n));
     std::tie(st.send, st.send_mr) = NewArea(lanes.buffer_bytes(), staged);
     std::tie(st.recv, st.recv_mr) = NewArea(lanes.buffer_bytes(), staged);
-    if (stage_ && i == 0) stage_->Warm(st.recv.pinned->host(), st.recv.mirror->data(), 64);  // zeros both ways
     proxy::ChannelConfig config;
     config.name = names[i];
     config.data_kind = data[i];

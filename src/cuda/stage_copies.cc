@@ -32,15 +32,6 @@ StageCopies::~StageCopies() {
   cudaSetDevice(previous);
 }
 
-void StageCopies::Warm(void* host, void* device, size_t bytes) {
-  DeviceScope scope(ordinal_);
-  Check(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, streams_[1]), "cudaMemcpyAsync(warm-up)");
-  Check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, streams_[0]), "cudaMemcpyAsync(warm-up)");
-  for (size_t i = 0; i < events_.size(); ++i) Check(cudaEventRecord(events_[i], streams_[i % 2]), "cudaEventRecord");
-  for (cudaStream_t s : streams_) Check(cudaStreamSynchronize(s), "cudaStreamSynchronize(warm-up)");
-  for (cudaEvent_t e : events_) Check(cudaEventQuery(e), "cudaEventQuery(warm-up)");
-}
-
 void StageCopies::MakeCurrent() const {
   static thread_local int current = -1;  // the proxy thread serves one GPU: set once, not on every pass
   if (current != ordinal_) {

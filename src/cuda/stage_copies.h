@@ -30,11 +30,6 @@ class StageCopies {
   // direction `to_device` says) and records the slot's event; later calls only query it. A slot's previous round must
   // be done before its next one starts (the pump asks in round order, each until it is done). Throws on a CUDA error.
   bool Ready(int slot, uint64_t round, bool to_device, const std::function<std::vector<Copy>()>& copies);
-  // One small copy each way between `host` (pinned, as the areas) and `device`, waited for, at set-up: under CUDA's
-  // lazy loading (the default) the first such copy loads what it needs, and loading waits until every running kernel
-  // ends. On the proxy thread that first copy would wait for the very receive kernel that waits for it (measured: a
-  // hook blocked 29.9 s; with CUDA_MODULE_LOADING=EAGER the same test passed). Done here, nothing of ours runs yet.
-  void Warm(void* host, void* device, size_t bytes);
 
  private:
   void MakeCurrent() const;  // the calling (proxy) thread's current device
