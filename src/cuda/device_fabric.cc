@@ -156,8 +156,8 @@ std::pair<Area, std::shared_ptr<fabric::MemoryRegion>> DeviceFabric::NewArea(siz
 
 void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory) {
   // GPU memory only when asked for (fabric_memory="device"): the NIC then writes the rows where the receive kernels
-  // read them (HBM), instead of into host memory that every kernel read crosses PCIe for. "auto" keeps host memory on
-  // the wire (staged, below) and says why not GPU memory (docs/cuda.md, "GPU memory on the wire"):
+  // read them (HBM), instead of into host memory that every kernel read crosses PCIe for. "auto" keeps the verified
+  // host staging and says why (docs/cuda.md, "GPU memory on the wire"):
   // - shm and tcp copy GPU memory with cudaMemcpy on the proxy thread, and a receiver's copy into HBM does not finish
   //   while its receive kernel waits on the GPU for that very data (measured on libfabric 2.6 shm: one progress poll
   //   blocked until the kernel's timeout gave up). So they cannot carry GPU memory at all: "device" is refused.
@@ -182,9 +182,7 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory) {
   }
   if (memory != AreaMemory::kAuto) fallback_.clear();  // the reason is for "auto" only: nothing fell back otherwise
   if (on_gpu_) visibility_ = VisibilityOf(ordinal_);
-  // "auto" stages through HBM: the receive kernels then read HBM instead of host memory row by row over PCIe
-  // (docs/benchmarks.md, 2026-12-03: host and staged side by side).
-  const bool staged = memory == AreaMemory::kStaged || memory == AreaMemory::kAuto;
+  const bool staged = memory == AreaMemory::kStaged;
   if (staged) stage_ = std::make_unique<StageCopies>(ordinal_, 2 * kFabricStreams);  // per stream: sends, arrivals
   // Streams: dispatch, combine channel 0, combine channel 1. The two combine channels share the immediate kinds and
   // differ in their id (bit 14), so their arrivals and credits are counted apart.

@@ -43,9 +43,9 @@ def _run_workers(nproc: int, ranks_per_node: int, provider: str, rng, **extra_en
 
 
 def _expect_on_gpu(memory: str, provider: str) -> dict[str, str]:
-    """What the workers must find: "host", "staged" and "auto" host memory on the wire ("auto" is "staged" until GPU
-    memory on the wire has run on an RDMA NIC); "device" on shm and tcp a refusal that says why (they copy GPU memory
-    with CUDA calls that do not complete while a receive kernel waits for them), on a NIC provider GPU memory."""
+    """What the workers must find: "host", "staged" and "auto" host memory on the wire (auto stays on the verified host staging); "device"
+    on shm and tcp a refusal that says why (they copy GPU memory with CUDA calls that do not complete while a
+    receive kernel waits for them), on a NIC provider GPU memory."""
     if memory != "device":
         return {"MP_EXPECT_FABRIC_ON_GPU": "0"}
     if provider in ("shm", "tcp") and os.environ.get("JAX_MOE_FABRIC_DEVICE_ON_COPIES") != "1":

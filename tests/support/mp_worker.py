@@ -82,7 +82,7 @@ def check_fabric_memory(comm) -> None:
             assert i.get("fallback"), f"fabric_memory auto kept host memory without saying why: {info}"
         elif asked != "auto":
             assert not i.get("fallback"), f"fabric_memory={asked} reports a fallback: {info}"
-        assert bool(i.get("staged")) == (asked in ("staged", "auto")), f"fabric_memory={asked}: staged is {i.get('staged')}"
+        assert bool(i.get("staged")) == (asked == "staged"), f"fabric_memory={asked}: staged is {i.get('staged')}"
     want = os.environ.get("MP_EXPECT_FABRIC_ON_GPU")
     if want is not None and info:
         got = {o: bool(i["on_gpu"]) for o, i in info.items()}
