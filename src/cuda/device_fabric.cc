@@ -183,6 +183,13 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory) {
   if (memory != AreaMemory::kAuto) fallback_.clear();  // the reason is for "auto" only: nothing fell back otherwise
   if (on_gpu_) visibility_ = VisibilityOf(ordinal_);
   const bool staged = memory == AreaMemory::kStaged;
+  if (staged && LazyModuleLoading()) {
+    Throw(ErrorCode::kUnavailable,
+          "jax_moe cuda: fabric_memory=\"staged\" needs CUDA's eager module loading: set CUDA_MODULE_LOADING=EAGER in "
+          "the environment before the process first uses CUDA (under lazy loading, the default, a kernel loaded at its "
+          "first launch holds up the proxy's copies while a receive kernel waits for them), or use "
+          "fabric_memory=\"host\"");
+  }
   if (staged) stage_ = std::make_unique<StageCopies>(ordinal_, 2 * kFabricStreams);  // per stream: sends, arrivals
   // Streams: dispatch, combine channel 0, combine channel 1. The two combine channels share the immediate kinds and
   // differ in their id (bit 14), so their arrivals and credits are counted apart.

@@ -1,9 +1,27 @@
 #include "cuda/stage_copies.h"
 
+#include <cuda.h>
+
 #include "common/error.h"
 #include "cuda/cuda_scope.h"
 
 namespace jax_moe::cuda {
+
+bool LazyModuleLoading() {
+  // cuModuleGetLoadingMode through the runtime: no driver library is linked (CI machines have none).
+  using GetLoadingMode = CUresult (*)(CUmoduleLoadingMode*);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult status{};
+  if (cudaGetDriverEntryPointByVersion("cuModuleGetLoadingMode", &fn, 12000, cudaEnableDefault, &status) !=
+          cudaSuccess ||
+      status != cudaDriverEntryPointSuccess || fn == nullptr) {
+    cudaGetLastError();
+    return true;  // cannot tell: assume the default
+  }
+  CUmoduleLoadingMode mode{};
+  if (reinterpret_cast<GetLoadingMode>(fn)(&mode) != CUDA_SUCCESS) return true;
+  return mode == CU_MODULE_LAZY_LOADING;
+}
 
 StageCopies::StageCopies(int ordinal, int slots) : ordinal_(ordinal) {
   Require(slots > 0, "StageCopies: no slots");

@@ -12,6 +12,13 @@
 
 namespace jax_moe::cuda {
 
+// Whether CUDA loads modules lazily in this process (the default since CUDA 12.2; CUDA_MODULE_LOADING=EAGER turns it
+// off). Staging needs eager loading: under lazy loading, a kernel loaded at its first launch holds up the proxy
+// thread's copies until the kernels running then end, among them the receive kernel that waits for those very copies
+// (measured on one H200: a copy held 7.9 s, until the kernel's timeout; with EAGER the same runs passed, warming the
+// copies up at set-up did not help).
+bool LazyModuleLoading();
+
 class StageCopies {
  public:
   struct Copy {

@@ -43,9 +43,9 @@ def _run_workers(nproc: int, ranks_per_node: int, provider: str, rng, **extra_en
 
 
 def _expect_on_gpu(memory: str, provider: str) -> dict[str, str]:
-    """What the workers must find: "host", "staged" and "auto" host memory on the wire (auto stays on the verified host staging); "device"
-    on shm and tcp a refusal that says why (they copy GPU memory with CUDA calls that do not complete while a
-    receive kernel waits for them), on a NIC provider GPU memory."""
+    """What the workers must find: "host", "staged" and "auto" host memory on the wire ("auto" is "host"); "device" on
+    shm and tcp a refusal that says why (they copy GPU memory with CUDA calls on the proxy thread), on a NIC provider
+    GPU memory."""
     if memory != "device":
         return {"MP_EXPECT_FABRIC_ON_GPU": "0"}
     if provider in ("shm", "tcp") and os.environ.get("JAX_MOE_FABRIC_DEVICE_ON_COPIES") != "1":
@@ -61,7 +61,21 @@ def test_two_processes_as_two_nodes(provider, memory, rng):
     """2 processes x 1 GPU, ranks_per_node=1: every byte between the ranks goes through the proxies, with the areas in
     pinned host memory ("host", "auto"), or there on the wire and in HBM for the kernels with a copy engine between
     ("staged"); "device" is refused on these providers, naming why."""
-    _run_workers(2, 1, provider, rng, JAX_MOE_FABRIC_MEMORY=memory, **_expect_on_gpu(memory, provider))
+    _run_workers(2, 1, provider, rng, JAX_MOE_FABRIC_MEMORY=memory, **_expect_on_gpu(memory, provider),
+                 **_staged_env(memory))
+
+
+def _staged_env(memory: str) -> dict[str, str]:
+    """"staged" runs only with CUDA's eager module loading (src/cuda/stage_copies.h says why)."""
+    return {"CUDA_MODULE_LOADING": "EAGER"} if memory == "staged" else {}
+
+
+@pytest.mark.multiprocess
+def test_staged_is_refused_under_lazy_loading(rng):
+    """Without CUDA_MODULE_LOADING=EAGER, "staged" is refused when the Communicator is made, saying what to set."""
+    _run_workers(2, 1, "shm", rng, JAX_MOE_FABRIC_MEMORY="staged", CUDA_MODULE_LOADING="LAZY",
+                 MP_EXPECT_REFUSAL=r'fabric_memory="staged" needs CUDA.s eager module loading: set '
+                                   r"CUDA_MODULE_LOADING=EAGER")
 
 
 @pytest.mark.multiprocess
@@ -76,10 +90,10 @@ def test_two_processes_in_one_node(one_kernel, rng):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("memory", ["auto", "staged"])
+@pytest.mark.parametrize("memory", ["auto", "host", "staged"])
 def test_four_processes_as_two_nodes_of_two_hybrid(memory, rng):
     """4 processes as 2 nodes x 2 ranks: NVLink (CUDA IPC) inside a node, the proxy between nodes, in one group."""
-    _run_workers(4, 2, "shm", rng, JAX_MOE_FABRIC_MEMORY=memory, **_expect_on_gpu(memory, "shm"))
+    _run_workers(4, 2, "shm", rng, JAX_MOE_FABRIC_MEMORY=memory, **_expect_on_gpu(memory, "shm"), **_staged_env(memory))
 
 
 def test_one_process_driving_two_gpus_as_two_nodes(rng):
