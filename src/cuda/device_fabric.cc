@@ -171,11 +171,7 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory) {
   } else {
     fallback_ = "GPU memory on the wire has not run on an RDMA NIC yet: fabric_memory=\"device\" opts in";
   }
-  // $JAX_MOE_FABRIC_DEVICE_ON_COPIES=1 lifts the refusal for shm and tcp, to retest them (docs/cuda.md: the stall
-  // measured on 2026-12-02 is most likely CUDA's lazy loading, as the staged path's was).
-  const char* retest = std::getenv("JAX_MOE_FABRIC_DEVICE_ON_COPIES");
-  const bool copies_refused = copies_gpu_memory() && !(retest != nullptr && std::string(retest) == "1");
-  if (on_gpu_ && (copies_refused || !engine_->supports_device_memory())) {
+  if (on_gpu_ && (copies_gpu_memory() || !engine_->supports_device_memory())) {
     Throw(ErrorCode::kUnavailable, "jax_moe cuda: fabric_memory=\"device\" is not possible here: " + fallback_ +
                                        "; use fabric_memory=\"host\" (pinned host memory), or a NIC provider (efa, "
                                        "verbs) with a libfabric built with CUDA");

@@ -48,7 +48,7 @@ def _expect_on_gpu(memory: str, provider: str) -> dict[str, str]:
     GPU memory."""
     if memory != "device":
         return {"MP_EXPECT_FABRIC_ON_GPU": "0"}
-    if provider in ("shm", "tcp") and os.environ.get("JAX_MOE_FABRIC_DEVICE_ON_COPIES") != "1":
+    if provider in ("shm", "tcp"):
         return {"MP_EXPECT_REFUSAL": r'fabric_memory="device" is not possible here: provider \w+ '
                                      r"(copies GPU memory with CUDA calls|did not grant FI_HMEM)"}
     return {"MP_EXPECT_FABRIC_ON_GPU": "1"}
