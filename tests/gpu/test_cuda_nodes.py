@@ -119,7 +119,7 @@ def test_a_killed_process_is_named_by_the_other_within_the_timeout(memory):
     timeout_s = 4.0
     port = free_port()
     env = dict(_SHARED, MP_FAILURE_BACKEND="cuda", MP_WORKER_GPUS=str(min(_gpus(), 2)), JAX_MOE_RANKS_PER_NODE="1",
-               JAX_MOE_FABRIC_PROVIDER="tcp", JAX_MOE_FABRIC_MEMORY=memory)
+               JAX_MOE_FABRIC_PROVIDER="tcp", JAX_MOE_FABRIC_MEMORY=memory, **_staged_env(memory))
     outs = launch("mp_failure_worker.py", [("kill", i, 2, port, timeout_s) for i in range(2)], timeout_s=200,
                   env=env, may_fail=(1,))
     m = re.search(r"ERROR after ([0-9.]+) s: (.*)", outs[0])
