@@ -26,26 +26,32 @@ def rounds_problem(rng, rounds: int, n: int, t: int, r: int, e: int, hidden: int
     return np.stack(xs), (np.stack(scales) if fp8 else None), idx, w
 
 
-def rounds_program(comm: jax_moe.Communicator, rounds: int, split: bool, fp8: bool):
+def rounds_program(comm: jax_moe.Communicator, rounds: int, split: bool, fp8: bool, in_flight: int = 1):
     """jit(shard_map) of a Python loop over `rounds` dispatch -> experts -> combine rounds of one Communicator; split:
-    the four halves with independent work between them, else dispatch / combine. Returns every round's results."""
+    the four halves with independent work between them, else dispatch / combine. in_flight > 1 (split only): rounds go
+    in groups of that many, each group's sends before its receives (micro-batches in flight: a round read from
+    another's buffer shows, since every round has its own tokens and routing). Returns every round's results."""
     axis = comm.axis_name
 
     def body(x, scale, idx, w):
         outs = []
-        for i in range(rounds):
-            s = None if scale is None else scale[i]
+        step = in_flight if split else 1
+        for g in range(0, rounds, step):
+            group = range(g, min(rounds, g + step))
+            ds = []
             if split:
-                h = comm.dispatch_send(x[i], idx[i], x_scale=s)
-                busy = jnp.tanh(x[i].astype(jnp.float32)).sum()  # work between the halves
-                d = comm.dispatch_recv(h)
-                y = expert_fn(d.expert_x, d.expert_counts, comm)
-                out = comm.combine_recv(comm.combine_send(y, d), w[i] + 0 * busy)
+                hs = [comm.dispatch_send(x[i], idx[i], x_scale=None if scale is None else scale[i]) for i in group]
+                busy = jnp.tanh(x[g].astype(jnp.float32)).sum()  # work between the halves
+                ds = [comm.dispatch_recv(h) for h in hs]
+                cs = [comm.combine_send(expert_fn(d.expert_x, d.expert_counts, comm), d) for d in ds]
+                group_out = [comm.combine_recv(c, w[i] + 0 * busy) for i, c in zip(group, cs)]
             else:
-                d = comm.dispatch(x[i], idx[i], x_scale=s)
-                out = comm.combine(expert_fn(d.expert_x, d.expert_counts, comm), w[i], d)
-            xs = jnp.zeros((d.expert_x.shape[0], 0), jnp.float32) if d.expert_x_scale is None else d.expert_x_scale
-            outs.append((d.expert_x, xs, d.expert_counts, out))
+                (i,) = group
+                d = comm.dispatch(x[i], idx[i], x_scale=None if scale is None else scale[i])
+                ds, group_out = [d], [comm.combine(expert_fn(d.expert_x, d.expert_counts, comm), w[i], d)]
+            for d, out in zip(ds, group_out):
+                xs = jnp.zeros((d.expert_x.shape[0], 0), jnp.float32) if d.expert_x_scale is None else d.expert_x_scale
+                outs.append((d.expert_x, xs, d.expert_counts, out))
         return tuple(jnp.stack(o) for o in zip(*outs))
 
     spec = P(None, axis)
@@ -117,12 +123,14 @@ def check_accumulation(problem, got, num_experts: int) -> None:
 
 def run_all(comm: jax_moe.Communicator, rng, rounds: int, fp8: bool, gather=np.asarray,
             micro: Optional[int] = None) -> None:
-    """The checks of one Communicator: `rounds` rounds one-shot and split, then (bf16) `micro` micro-batches."""
+    """The checks of one Communicator: `rounds` rounds one-shot, split, and split with as many rounds in flight as
+    the backend holds (up to 4; 2 where it has no limit), then (bf16) `micro` micro-batches."""
     n, cfg = comm.num_ranks, comm.cfg
     t = cfg.max_tokens
-    for split in (False, True):
+    in_flight = min(4, comm.backend.rounds_in_flight or 2, rounds)
+    for split, group in ((False, 1), (True, 1)) + (((True, in_flight),) if in_flight > 1 else ()):
         problem = rounds_problem(rng, rounds, n, t, cfg.experts_per_token, cfg.num_experts, cfg.hidden, fp8)
-        got = rounds_program(comm, rounds, split, fp8)(*place(comm.mesh, *problem))
+        got = rounds_program(comm, rounds, split, fp8, group)(*place(comm.mesh, *problem))
         check_rounds(comm, n, problem, [gather(v) for v in got])
     if micro and not fp8:
         problem = accumulation_problem(rng, micro, n, t, cfg.experts_per_token, cfg.num_experts, cfg.hidden)
