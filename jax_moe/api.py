@@ -58,7 +58,7 @@ def _dispatch_send(comm: CommView, x: jax.Array, topk_idx: jax.Array, x_scale: O
         validate.check_weights(comm, call, topk_weights, topk_idx)
     scale = None if x_scale is None else jax.lax.stop_gradient(x_scale)
     weights = None if topk_weights is None else jax.lax.stop_gradient(topk_weights)
-    rounds.check_open(comm, "dispatch", call)
+    rounds.check_open(comm, "dispatch", call, one_shot=one_shot)
     args = (jax.lax.stop_gradient(x), scale, topk_idx)
     handle = comm.backend.defer_dispatch(*args, topk_weights=weights) if one_shot else None
     deferred = handle is not None
@@ -147,7 +147,7 @@ def _combine_send(comm: CommView, expert_y: jax.Array, d: Dispatched, reduced: b
     _dispatch_send."""
     call = "combine" if one_shot else "combine_send"  # errors name the call the user made
     validate.check_expert_y(comm, call, expert_y, d)
-    rounds.check_open(comm, "combine", call)
+    rounds.check_open(comm, "combine", call, one_shot=one_shot)
     args = (jax.lax.stop_gradient(expert_y), d._route, d._topk_idx)
     handle = comm.backend.defer_combine(*args, reduced=reduced) if one_shot else None
     deferred = handle is not None

@@ -2,10 +2,13 @@
 
 The native backends' calls run in program order (jax_moe/backends/ffi_call.py), so any number of rounds works as
 long as, at every point of the program, no more rounds of one direction are open (sent, not yet received) than the
-backend has buffers for (`Backend.rounds_in_flight`): one on "cuda", the receive lanes on "cpu". A program that opens
-more would wait for a receive that comes later in the same order; it is refused here, when it is traced, before the
-send is bound, with an error that says what to do. A handle received twice in one traced function is refused too (it
-would hand out the same round twice and put every later round out of step).
+backend has buffers for (`Backend.rounds_in_flight`): its area slots on "cuda", its receive lanes on "cpu". A program
+that opens more would wait for a receive that comes later in the same order; it is refused here, when it is traced, before
+the send is bound, with an error that says what to do. A handle received twice in one traced function is refused too
+(it would hand out the same round twice and put every later round out of step). A backend whose receives take the
+oldest open round (`Backend.receives_in_order`: "cuda" with two slots, whose acknowledgements say "every round up
+to this one was read") is refused a receive out of send order, and a one-shot call while a round of its direction is open (its
+receive would come first).
 
 Rounds are recorded per traced function (the JAX trace the halves are called in) and counted over it and the traces
 it is nested in (a nested jit, a cond branch, a loop body opens its rounds while the enclosing ones are open). A
@@ -51,16 +54,21 @@ def _traces_here() -> list[Any]:
     return out
 
 
-def check_open(comm: CommView, direction: str, op: str) -> None:
+def check_open(comm: CommView, direction: str, op: str, one_shot: bool = False) -> None:
     """Before a send half of `direction` ("dispatch" or "combine") is bound: refuses it if the backend's buffers for
     that direction are all held by rounds open here: opened in this traced function or in the ones it is nested in
-    (a nested jit, a cond branch, a loop body runs while its enclosing function's rounds are open) and not received."""
+    (a nested jit, a cond branch, a loop body runs while its enclosing function's rounds are open) and not received.
+    one_shot (`dispatch`, `combine`): on a backend that receives in order, also while any round is open here."""
     limit = comm.backend.rounds_in_flight
-    if limit is None:
-        return
     tables = [_open.get(t, {}).get((comm.id, direction), {}) for t in _traces_here()]
     held = [what for table in tables for _, what in table.values()]
-    if len(held) < limit:
+    if one_shot and held and getattr(comm.backend, "receives_in_order", False):
+        raise RuntimeError(
+            f"jax_moe.{op}: {len(held)} {direction} round(s) of this Communicator are open here (sent, not yet "
+            f"received: {', '.join(held)}); backend {comm.backend_name!r} receives the rounds of one direction in "
+            f"the order they were sent, and this call's receive would come before theirs. Receive them "
+            f"({direction}_recv) before this call, or split it into {direction}_send and {direction}_recv too.")
+    if limit is None or len(held) < limit:
         return
     nested = sum(1 for table in tables[1:] if table) > 0
     where = (" here and in the functions this one is nested in (an enclosing jit, or the program around a cond "
@@ -81,6 +89,22 @@ def opened(comm: CommView, direction: str, handle: Any, op: str) -> None:
     table[id(key)] = (weakref.ref(key), f"{op} #{len(table) + 1}")
 
 
+def _check_oldest(comm: CommView, direction: str, op: str, table: dict, key: Any) -> None:
+    """Refuses receiving `key`'s round (opened in `table`) while an older round of the direction is open: one opened
+    before it in the same traced function, or in a function this one is nested in."""
+    ancestors = [_open.get(t, {}).get((comm.id, direction), {}) for t in _traces_here()[1:]]
+    older = [what for t in ancestors if t is not table for _, what in t.values()]
+    for ref, what in table.values():
+        if ref() is key:
+            break
+        older.append(what)
+    if older:
+        raise RuntimeError(
+            f"jax_moe.{op}: backend {comm.backend_name!r} receives the rounds of one direction in the order they were "
+            f"sent, and {', '.join(older)} of this Communicator is still open (sent before this round, not yet "
+            f"received). Receive it first.")
+
+
 def closed(comm: CommView, direction: str, handle: Any, op: str) -> None:
     """The receive half of the round whose send returned `handle` is about to be bound."""
     key = _key(handle)
@@ -95,6 +119,8 @@ def closed(comm: CommView, direction: str, handle: Any, op: str) -> None:
     for table in tables:
         entry = table.get(id(key)) if table else None
         if entry is not None and entry[0]() is key:
+            if getattr(comm.backend, "receives_in_order", False):
+                _check_oldest(comm, direction, op, table, key)
             del table[id(key)]
             return
     # A handle from another trace, seen here as another tracer: its round is the oldest one still open in the

@@ -48,6 +48,9 @@ class Backend(abc.ABC):
     # Rounds of one direction that may be open (sent, not yet received) at once in program order; None: any number
     # (the backend holds no per-round buffers). jax_moe.rounds refuses programs that open more at trace time.
     rounds_in_flight: Optional[int] = None
+    # Whether a receive takes the oldest open round of its direction (not the one its handle names): then
+    # jax_moe.rounds refuses receives out of send order, and one-shot calls while a round is open.
+    receives_in_order: bool = False
 
     def __init__(self, comm: CommView):
         # A proxy, not a reference: the Communicator owns its backend, and a cycle between them would keep the native
