@@ -78,8 +78,8 @@ class Communicator:
       that the NIC reads and writes: efa or verbs with a libfabric built with CUDA; refused, saying why, elsewhere:
       shm and tcp cannot carry GPU memory while a kernel waits for it, see docs/cuda.md), "host" (pinned host memory
       the kernels read and write over PCIe), "staged" (pinned host memory on the wire, HBM for the kernels, a copy
-      engine between them), "auto" (host memory for now, the verified path). Default $JAX_MOE_FABRIC_MEMORY, else
-      "auto".
+      engine between them; needs CUDA_MODULE_LOADING=EAGER set before the process first uses CUDA, and says so
+      otherwise), "auto" ("host"). Default $JAX_MOE_FABRIC_MEMORY, else "auto".
       `comm.backend.fabric_info()` says which was used and, for "auto", why not GPU memory ("fallback").
     ranks_per_node: "cuda" only: treat consecutive groups of this many ranks as one node (default
       $JAX_MOE_RANKS_PER_NODE, else one node per host). Ranks of one node reach each other over NVLink; ranks of
