@@ -137,6 +137,27 @@ def test_floors_are_wanted_only_for_cuda_ranks_on_other_nodes():
 
 
 # --- bounded runs ----------------------------------------------------------------------------------------------------
+def test_a_floor_cache_runs_each_command_once_whatever_its_output_paths(tmp_path):
+    runs = []
+
+    def run(v):
+        return lambda: (runs.append(v), {"v": v})[1]
+
+    ep1 = ["py", "-m", "jax_moe.bench", "moe", "--shape", "decode", "--out", "/a/floor_ep1"]
+    moved = ep1[:-1] + ["/b/floor_ep1"]  # the next memory's benchmark writes elsewhere: the same measurement
+    assert floor.cached_json(None, ep1, run(1)) == ({"v": 1}, False)
+    assert floor.cached_json(None, ep1, run(2)) == ({"v": 2}, False)  # no cache: every time
+    cache = str(tmp_path / "cache")
+    assert floor.cached_json(cache, ep1, run(3)) == ({"v": 3}, False)
+    assert floor.cached_json(cache, moved, run(4)) == ({"v": 3}, True)
+    other = ep1[:5] + ["prefill"] + ep1[6:]
+    assert floor.cached_json(cache, other, run(5)) == ({"v": 5}, False)
+    fab = ["py", "-m", "jax_moe.bench", "fabric", "--providers", "shm", "--json", "/a/f.json"]
+    assert floor.cached_json(cache, fab, run(6)) == ({"v": 6}, False)
+    assert floor.cached_json(cache, fab[:-1] + ["/b/f.json"], run(7)) == ({"v": 6}, True)
+    assert runs == [1, 2, 3, 5, 6]
+
+
 def test_run_json_reads_the_json_and_turns_failures_into_reasons(tmp_path):
     out, log = str(tmp_path / "r.json"), str(tmp_path / "r.log")
     py = sys.executable
@@ -245,7 +266,9 @@ def test_report_measures_ep1_and_the_engine_and_writes_the_floors(tmp_path, caps
     for op, f in floors.items():
         assert f["ep1_p50_us"] > 0 and f["floor_us"] >= f["ep1_p50_us"], (op, f)
         assert f["ratio"] == pytest.approx(rec["stats"][op]["p50"] / f["floor_us"])
-        assert (f["wire_one_way_us"] > 0) == (floor.WIRE[op] is not None), (op, f)
+        # the receive halves and totals carry the wire (>= 0: at 500 B the one-way is within the p50s' noise, and a
+        # loaded machine can clamp it to 0); the send halves none
+        assert (f["wire_one_way_us"] >= 0) if floor.WIRE[op] is not None else not f["wire_one_way_us"], (op, f)
     assert floors["dispatch"]["wire_bytes"] == 500 and floors["combine"]["wire_bytes"] == 1000
     assert "FLOOR" in printed and printed.count("small       64 cpu") == len(floor.OPS)
     assert (tmp_path / "floor_ep1" / "results.json").exists() and (tmp_path / "floor_fabric.log").exists()

@@ -4,7 +4,8 @@
               + p50 of the TransferEngine's one-way time for the bytes the operation sends to a remote rank
                 (`bench fabric`, on the provider and the memory, GPU or pinned host, of the run's `fabric_info()`)
 
-all measured in the same invocation, after the multi-process run. A send half only packs and rings its proxy's bell:
+all measured in the same invocation, after the multi-process run (or, with `--floor-cache`, once per sitting: the
+benchmarks of several area memories share the EP1 run, those of one provider and memory the engine's one-way). A send half only packs and rings its proxy's bell:
 the bytes travel while the receive half waits, so the one-way time goes into the receive halves and the totals, and a
 send half's floor is its EP1 time. Target: p50 <= 1.5 * floor + 10 us. A floor that cannot be measured reads
 "n/a (why)"; it never costs the run its own results.
@@ -12,13 +13,14 @@ send half's floor is its EP1 time. Target: p50 <= 1.5 * floor + 10 us. A floor t
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from jax_moe.bench import processes
 
@@ -42,6 +44,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--floor-timeout", type=float, default=600.0,
                    help="ranks on other nodes: seconds allowed to each run the floors take (EP1, bench fabric); "
                         "0 skips the floors")
+    p.add_argument("--floor-cache", default=os.environ.get("JAX_MOE_FLOOR_CACHE") or None,
+                   help="a folder where the floors' runs keep their results, keyed by their command: a later "
+                        "benchmark of the same sitting with the same EP1 run (or the same provider, memory and sizes) "
+                        "reuses them instead of measuring again (default $JAX_MOE_FLOOR_CACHE; none)")
 
 
 # --- arithmetic ------------------------------------------------------------------------------------------------------
@@ -115,6 +121,28 @@ def parse_fabric(doc: dict, provider: str) -> tuple[dict[int, float], str]:
 
 
 # --- the runs -------------------------------------------------------------------------------------------------------
+def cached_json(cache: Optional[str], cmd: list[str], run: Callable[[], dict]) -> tuple[dict, bool]:
+    """run() once per command in `cache` (a folder; None: always run): (its JSON, whether it came from the cache).
+    The key is the command without its output paths, so the same measurement asked twice in one sitting (the EP1 run
+    of several area memories, the engine's one-way of one provider) runs once."""
+    if not cache:
+        return run(), False
+    outputs = {"--out", "--json"}
+    key = [a for i, a in enumerate(cmd) if a not in outputs and (i == 0 or cmd[i - 1] not in outputs)]
+    path = os.path.join(cache, hashlib.sha256(json.dumps(key[1:]).encode()).hexdigest()[:24] + ".json")
+    try:
+        with open(path) as f:
+            return json.load(f), True
+    except (OSError, ValueError):
+        pass
+    doc = run()
+    os.makedirs(cache, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f)
+    os.replace(path + ".tmp", path)
+    return doc, False
+
+
 def run_json(cmd: list[str], json_path: str, timeout: float, log_path: str, env: Optional[dict] = None) -> dict:
     """Runs `cmd` (its output into `log_path`) for at most `timeout` s and reads the JSON it wrote to `json_path`.
     Unavailable on a timeout, a failure or no JSON. The command runs in its own process group: its own children (the
@@ -190,10 +218,12 @@ def attach(doc: dict, args: argparse.Namespace, work: str) -> Optional[dict]:
     cmd = ep1_command(args, backends, shapes, ep1_out)
     started = time.perf_counter()
     print(f"[moe] floors: EP1 run ({' '.join(cmd[4:])})", flush=True)
+    cache = getattr(args, "floor_cache", None)
     try:
-        ep1: Ep1 = parse_ep1(run_json(cmd, os.path.join(ep1_out, "results.json"), timeout,
-                                      os.path.join(work, "floor_ep1.log"), ep1_env()))
-        meta["ep1"] = {"command": cmd, "seconds": time.perf_counter() - started}
+        doc_ep1, reused = cached_json(cache, cmd, lambda: run_json(cmd, os.path.join(ep1_out, "results.json"), timeout,
+                                                                   os.path.join(work, "floor_ep1.log"), ep1_env()))
+        ep1: Ep1 = parse_ep1(doc_ep1)
+        meta["ep1"] = {"command": cmd, "seconds": time.perf_counter() - started, "reused": reused}
     except Unavailable as e:
         ep1 = f"EP1 run: {e}"
         meta["ep1"] = {"command": cmd, "error": ep1}
@@ -203,9 +233,10 @@ def attach(doc: dict, args: argparse.Namespace, work: str) -> Optional[dict]:
     cmd = fabric_command(provider, memory, sizes, processes.gpu_count(), path)
     print(f"[moe] floors: bench fabric ({' '.join(cmd[4:])})", flush=True)
     try:
-        wire, registration = parse_fabric(run_json(cmd, path, timeout, os.path.join(work, "floor_fabric.log")),
-                                          provider)
-        meta["fabric"] = {"command": cmd, "memory": memory, "registration": registration,
+        doc_fabric, reused = cached_json(cache, cmd, lambda: run_json(cmd, path, timeout,
+                                                                      os.path.join(work, "floor_fabric.log")))
+        wire, registration = parse_fabric(doc_fabric, provider)
+        meta["fabric"] = {"command": cmd, "memory": memory, "registration": registration, "reused": reused,
                           "one_way_p50_us": {str(k): v for k, v in wire.items()}}
     except Unavailable as e:
         wire = f"bench fabric ({provider}, {memory} memory): {e}"

@@ -94,15 +94,18 @@ mps_start() {  # two processes on one GPU run their kernels side by side only un
 }
 mps_stop() { echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; }
 nodes_bench() {  # TAG: the cross-node decode benchmark on one GPU, two processes under MPS with half the SMs each,
-  # for each provider and area memory ($NODES_MEMORY: "host", "device", "auto")
+  # for each provider and area memory ($NODES_MEMORY: "host", "staged", "device", "auto"); the floors' EP1 run and
+  # each provider's one-way are measured once in the call (--floor-cache)
   local tag=$1 provider memory
   mps_start
   for provider in ${NODES_PROVIDERS:-shm tcp}; do
     for memory in ${NODES_MEMORY:-auto}; do
-      stage "${tag}_${provider}_${memory}" ${NODES_LIMIT_S:-400} env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_CUDA_TRACE=1 \
+      local eager=CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-LAZY}
+      [ "$memory" = staged ] && eager=CUDA_MODULE_LOADING=EAGER  # staged needs it (docs/cuda.md)
+      stage "${tag}_${provider}_${memory}" ${NODES_LIMIT_S:-400} env $eager CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_CUDA_TRACE=1 \
         JAX_MOE_FABRIC_MEMORY=$memory python3 -m jax_moe.bench moe --backend cuda --shape "${NODES_SHAPE:-decode}" \
         --iters "${NODES_ITERS:-200}" --processes 2 --ranks-per-node 1 --provider "$provider" \
-        --out "$OUT/${tag}_${provider}_${memory}"
+        --floor-cache "$OUT/floor_cache" --out "$OUT/${tag}_${provider}_${memory}"
     done
   done
   mps_stop
@@ -113,7 +116,9 @@ fi
 if has xoverlap; then  # overlap across nodes (issue 25): two processes under MPS as two nodes, per area memory
   mps_start
   for memory in ${NODES_MEMORY:-auto}; do
-    stage "xoverlap_${memory}" 300 env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_FABRIC_MEMORY=$memory \
+    eager=CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-LAZY}
+    [ "$memory" = staged ] && eager=CUDA_MODULE_LOADING=EAGER
+    stage "xoverlap_${memory}" 300 env $eager CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_FABRIC_MEMORY=$memory \
       python3 -m jax_moe.bench overlap --processes 2 --ranks-per-node 1 --provider "${NODES_PROVIDERS%% *}" \
       --iters 50 --json "$OUT/xoverlap_${memory}.json"
   done
