@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call verifies a commit on the lent GPU machine (docs/cuda.md, "Verification"):
 #   bash tests/gpu/device_run.sh [STAGES] [bench args...]
-# STAGES: comma-separated from build, cpu, gpu, demo, bench, ep1, proxy, overlap, nodes, xoverlap, ipc, hmem (default:
+# STAGES: comma-separated from build, cpu, gpu, demo, bench, ep1, proxy, overlap, nodes, xoverlap, stagediag, ipc, hmem (default:
 # build,cpu,gpu,demo). hmem comes last: it rebuilds against libfabric 2.6 with CUDA (see below). The full build uses the
 # libfabric headers carried in third_party_headers/libfabric (the image has the runtime only). Logs go to $OUT (or
 # ./gpu_out); the last lines printed are "SUMMARY ..." lines, one per stage. NVLink multicast stays off.
@@ -121,6 +121,17 @@ if has xoverlap; then  # overlap across nodes (issue 25): two processes under MP
     stage "xoverlap_${memory}" 300 env $eager CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_FABRIC_MEMORY=$memory \
       python3 -m jax_moe.bench overlap --processes 2 --ranks-per-node 1 --provider "${NODES_PROVIDERS%% *}" \
       --iters 50 --json "$OUT/xoverlap_${memory}.json"
+  done
+  mps_stop
+fi
+if has stagediag; then  # fabric_memory="staged" under MPS (docs/cuda.md, "Open: staged under MPS"): the decode benchmark
+  # with the proxy's hooks inspected, with 8 (the default) and 32 hardware queues per process
+  mps_start
+  for conns in 8 32; do
+    stage "stagediag_$conns" 150 env CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=$conns \
+      JAX_MOE_FABRIC_INSPECT=1 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_FABRIC_MEMORY=staged JAX_MOE_TIMEOUT_S=10 \
+      python3 -m jax_moe.bench moe --backend cuda --shape decode --iters 20 --processes 2 --ranks-per-node 1 \
+      --provider shm --floor-timeout 0 --out "$OUT/stagediag_$conns"
   done
   mps_stop
 fi
