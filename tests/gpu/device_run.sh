@@ -2,9 +2,9 @@
 # One call verifies a commit on the lent GPU machine (docs/cuda.md, "Verification"):
 #   bash tests/gpu/device_run.sh [STAGES] [bench args...]
 # STAGES: comma-separated from build, cpu, gpu, demo, bench, ep1, proxy, overlap, nodes, xoverlap, stagediag, ipc,
-# hmem (default: build,cpu,gpu,demo). hmem comes last: it rebuilds against libfabric 2.6 with CUDA (see below). The full build uses the
-# libfabric headers carried in third_party_headers/libfabric (the image has the runtime only). Logs go to $OUT (or
-# ./gpu_out); the last lines printed are "SUMMARY ..." lines, one per stage. NVLink multicast stays off.
+# hmem (default: build,cpu,gpu,demo). hmem comes last: it rebuilds against libfabric 2.6 with CUDA (see below). The
+# full build uses the libfabric headers carried in third_party_headers/libfabric (the image has the runtime only). Logs
+# go to $OUT (or ./gpu_out); the last lines printed are "SUMMARY ..." lines, one per stage. NVLink multicast stays off.
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export JAX_MOE_TIMEOUT_S=${JAX_MOE_TIMEOUT_S:-20}  # a protocol bug shows up as an error, not a long hang
