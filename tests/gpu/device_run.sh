@@ -125,13 +125,15 @@ if has xoverlap; then  # overlap across nodes (issue 25): two processes under MP
   mps_stop
 fi
 if has stagediag; then  # fabric_memory="staged" under MPS (docs/cuda.md, "Open: staged under MPS"): the decode benchmark
-  # with the proxy's hooks inspected, with 8 (the default) and 32 hardware queues per process
+  # with the proxy's hooks inspected and a long timeout (eager loading slows start-up, and two processes that start
+  # far apart look like a dead peer): host areas under eager loading (does eager loading alone break it?), then staged
+  # with 8 (the default) and 32 hardware queues per process
   mps_start
-  for conns in 8 32; do
-    stage "stagediag_$conns" 150 env CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=$conns \
-      JAX_MOE_FABRIC_INSPECT=1 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_FABRIC_MEMORY=staged JAX_MOE_TIMEOUT_S=10 \
-      python3 -m jax_moe.bench moe --backend cuda --shape decode --iters 20 --processes 2 --ranks-per-node 1 \
-      --provider shm --floor-timeout 0 --out "$OUT/stagediag_$conns"
+  for variant in host:8 staged:8 staged:32; do
+    stage "stagediag_${variant/:/_}" 150 env CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=${variant#*:} \
+      JAX_MOE_FABRIC_INSPECT=1 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_FABRIC_MEMORY=${variant%:*} \
+      JAX_MOE_TIMEOUT_S=60 python3 -m jax_moe.bench moe --backend cuda --shape decode --iters 20 --processes 2 \
+      --ranks-per-node 1 --provider shm --floor-timeout 0 --out "$OUT/stagediag_${variant/:/_}"
   done
   mps_stop
 fi
