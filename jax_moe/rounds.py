@@ -1,14 +1,14 @@
 """Trace-time bookkeeping of a Communicator's rounds: send halves whose handle has not been received yet.
 
-The native backends' calls run in program order (jax_moe/backends/ffi_call.py), so any number of rounds works as
-long as, at every point of the program, no more rounds of one direction are open (sent, not yet received) than the
-backend has buffers for (`Backend.rounds_in_flight`): its area slots on "cuda", its receive lanes on "cpu". A program
-that opens more would wait for a receive that comes later in the same order; it is refused here, when it is traced, before
-the send is bound, with an error that says what to do. A handle received twice in one traced function is refused too
-(it would hand out the same round twice and put every later round out of step). A backend whose receives take the
-oldest open round (`Backend.receives_in_order`: "cuda" with two slots, whose acknowledgements say "every round up
-to this one was read") is refused a receive out of send order, and a one-shot call while a round of its direction is open (its
-receive would come first).
+The native backends' calls run in program order (jax_moe/backends/ffi_call.py), so any number of rounds works as long
+as, at every point of the program, no more rounds of one direction are open (sent, not yet received) than the backend
+has buffers for (`Backend.rounds_in_flight`): its area slots on "cuda", its receive lanes on "cpu". A program that opens
+more would wait for a receive that comes later in the same order; it is refused here, when it is traced, before the send
+is bound, with an error that says what to do. A handle received twice in one traced function is refused too (it would
+hand out the same round twice and put every later round out of step). A backend whose receives take the oldest open
+round (`Backend.receives_in_order`: "cuda" with two slots, whose acknowledgements say "every round up to this one was
+read") is refused a receive out of send order, and a one-shot call while a round of its direction is open (its receive
+would come first).
 
 Rounds are recorded per traced function (the JAX trace the halves are called in) and counted over it and the traces
 it is nested in (a nested jit, a cond branch, a loop body opens its rounds while the enclosing ones are open). A

@@ -5,10 +5,10 @@
                 (`bench fabric`, on the provider and the memory, GPU or pinned host, of the run's `fabric_info()`)
 
 all measured in the same invocation, after the multi-process run (or, with `--floor-cache`, once per sitting: the
-benchmarks of several area memories share the EP1 run, those of one provider and memory the engine's one-way). A send half only packs and rings its proxy's bell:
-the bytes travel while the receive half waits, so the one-way time goes into the receive halves and the totals, and a
-send half's floor is its EP1 time. Target: p50 <= 1.5 * floor + 10 us. A floor that cannot be measured reads
-"n/a (why)"; it never costs the run its own results.
+benchmarks of several area memories share the EP1 run, those of one provider and memory the engine's one-way). A send
+half only packs and rings its proxy's bell: the bytes travel while the receive half waits, so the one-way time goes into
+the receive halves and the totals, and a send half's floor is its EP1 time. Target: p50 <= 1.5 * floor + 10 us. A floor
+that cannot be measured reads "n/a (why)"; it never costs the run its own results.
 """
 from __future__ import annotations
 

@@ -102,8 +102,8 @@ nodes_bench() {  # TAG: the cross-node decode benchmark on one GPU, two processe
     for memory in ${NODES_MEMORY:-auto}; do
       local eager=CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-LAZY}
       [ "$memory" = staged ] && eager=CUDA_MODULE_LOADING=EAGER  # staged needs it (docs/cuda.md)
-      stage "${tag}_${provider}_${memory}" ${NODES_LIMIT_S:-400} env $eager CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_CUDA_TRACE=1 \
-        JAX_MOE_FABRIC_MEMORY=$memory python3 -m jax_moe.bench moe --backend cuda --shape "${NODES_SHAPE:-decode}" \
+      stage "${tag}_${provider}_${memory}" ${NODES_LIMIT_S:-400} env $eager CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 \
+        JAX_MOE_CUDA_TRACE=1 JAX_MOE_FABRIC_MEMORY=$memory python3 -m jax_moe.bench moe --backend cuda --shape "${NODES_SHAPE:-decode}" \
         --iters "${NODES_ITERS:-200}" --processes 2 --ranks-per-node 1 --provider "$provider" \
         --floor-cache "$OUT/floor_cache" --out "$OUT/${tag}_${provider}_${memory}"
     done
@@ -124,8 +124,8 @@ if has xoverlap; then  # overlap across nodes (issue 25): two processes under MP
   done
   mps_stop
 fi
-if has stagediag; then  # fabric_memory="staged" under MPS (docs/cuda.md, "Open: staged under MPS"): the decode benchmark
-  # with the proxy's hooks inspected and a long timeout (eager loading slows start-up, and two processes that start
+if has stagediag; then  # fabric_memory="staged" under MPS (docs/cuda.md, "Open: staged under MPS"): the decode
+  # benchmark with the proxy's hooks inspected and a long timeout (eager loading slows start-up, and two processes that start
   # far apart look like a dead peer): host areas under eager loading (does eager loading alone break it?), then staged
   # with 8 (the default) and 32 hardware queues per process
   mps_start

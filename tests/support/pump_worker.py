@@ -2,10 +2,11 @@
 
 usage: pump_worker.py DIR RANK N PROVIDER ROUNDS MODE
 MODE: ok (every round checked), kill (the last rank exits after round 2), forge (rank 1 announces more rows than a
-region holds in round 2), overflow (rank 1's device announces more bytes than a region holds in round 2), shared
-(two Communicators per rank, whose pumps share the rank's engine, rung in an order that changes every round), slow
-(the device side's hooks say "not yet" 200 times a round before each post and each arrival flag, as a GPU's copy
-engine), stuck (rank 0's arrival hook never says yes: its pump must stop, saying why). Ranks exchange engine addresses through files in DIR; each writes DIR/result.RANK (JSON).
+region holds in round 2), overflow (rank 1's device announces more bytes than a region holds in round 2), shared (two
+Communicators per rank, whose pumps share the rank's engine, rung in an order that changes every round), slow (the
+device side's hooks say "not yet" 200 times a round before each post and each arrival flag, as a GPU's copy engine),
+stuck (rank 0's arrival hook never says yes: its pump must stop, saying why). Ranks exchange engine addresses through
+files in DIR; each writes DIR/result.RANK (JSON).
 """
 import json
 import os
