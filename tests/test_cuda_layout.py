@@ -17,9 +17,10 @@ def test_buffer_bytes_hold_the_worst_case_and_little_more(n):
     t, r, hidden, e = 128, 8, 7168, 256
     cfg = jax_moe.MoEConfig(e, r, hidden, t, dispatch_dtype=jnp.float8_e4m3fn)
     l = e // n
-    # per sender: t token records (7168 fp8 + 56 float32 scales) and l x t list entries; 2 combine channels of t x r
-    # bf16 rows plus their int32 "self" index
-    floor = n * t * (hidden + 56 * 4) + n * l * t * 4 + 2 * t * r * (hidden * 2 + 4)
+    # per round slot (two: rounds_in_flight) and sender: t token records (7168 fp8 + 56 float32 scales + 8 router
+    # weights) and l x t list entries; 2 combine channels of t x r bf16 rows plus their int32 "self" index
+    slots = cuda.CudaBackend.rounds_in_flight
+    floor = slots * (n * t * (hidden + 56 * 4 + r * 4) + n * l * t * 4 + 2 * t * r * (hidden * 2 + 4))
     got = cuda.buffer_bytes(cfg, n)
     assert floor <= got < floor + (1 << 20), (got, floor)
 
@@ -28,5 +29,7 @@ def test_bf16_dispatch_rows_are_twice_as_wide():
     fp8 = jax_moe.MoEConfig(16, 2, 256, 32, dispatch_dtype=jnp.float8_e4m3fn)
     bf16 = jax_moe.MoEConfig(16, 2, 256, 32)
     extra = cuda.buffer_bytes(bf16, 2) - cuda.buffer_bytes(fp8, 2)
-    # token records: 2 senders x 32 tokens, 512 bytes (bf16) instead of 256 + 2 scales x 4 rounded up to 272
-    assert abs(extra - 2 * 32 * (512 - 272)) < 4096
+    # token records, in each round slot: 2 senders x 32 tokens, 512 + 2 router weights x 4 rounded up to 528 bytes
+    # (bf16) instead of 256 + 2 scales x 4 + 2 x 4 rounded up to 272
+    slots = cuda.CudaBackend.rounds_in_flight
+    assert abs(extra - slots * 2 * 32 * (528 - 272)) < 4096

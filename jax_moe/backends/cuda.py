@@ -101,7 +101,8 @@ class CudaBackend(NativeBackend):
     native = "cuda"
     platforms = ("gpu", "cuda")
     ffi_platform = "CUDA"
-    rounds_in_flight = 1  # one buffer per direction and channel: a send waits (on the stream) for the last receive
+    rounds_in_flight = 2  # two area slots per direction and channel (kRoundSlots): a send waits (on the stream)
+    # for the receive of the round two before it
     uses_fabric = True  # ranks on other nodes
     # The combine inside dispatch's gradient: "cuda" (channel 1 of the kernels) or "reference" (the "xla" backend's
     # per-entry path). JAX_MOE_CUDA_BACKWARD_COMBINE overrides.

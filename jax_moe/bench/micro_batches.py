@@ -7,8 +7,8 @@ slowest rank per iteration, p50):
 - comm:       dispatch then combine of A and of B, no expert work;
 - sequential: A then B, each dispatch -> expert (two GEMMs over the received rows) -> combine;
 - two:        dispatch A; send B's dispatch; A's expert; receive B; send A's combine; B's expert; receive A's
-              combine; combine B. Each direction has one round open at a time, so it needs one buffer per direction
-              (backend "cuda"'s rounds_in_flight is 1).
+              combine; combine B. Each direction has one round open at a time, so any backend runs it (backend
+              "cuda" holds two).
 Hidden fraction = (sequential - two) / (what could hide: B's dispatch and A's combine, half of comm).
 """
 from __future__ import annotations

@@ -77,7 +77,8 @@ __device__ void SendSums(const KernelArgs& a, Part part, int ch, int mode, const
   }
   int own_tokens = sent[a.rank];
   own_tokens = own_tokens < 0 ? 0 : (own_tokens > s.max_tokens ? s.max_tokens : own_tokens);
-  int32_t* self = reinterpret_cast<int32_t*>(a.base + a.lay.self) + ch * entries;
+  const size_t slot = RoundSlot(epoch) * a.lay.combine_slot;  // this round's slot of the combine fields
+  int32_t* self = reinterpret_cast<int32_t*>(a.base + a.lay.self + slot) + ch * entries;
   const int32_t* own = rows + a.rank * entries;
   // Every entry (one store each): past the tokens sent the table is stale, and combine_recv must find -1 there.
   const long long own_entries = static_cast<long long>(own_tokens) * r;
@@ -131,7 +132,7 @@ __device__ void SendSums(const KernelArgs& a, Part part, int ch, int mode, const
     }
     int4* dst = reinterpret_cast<int4*>(
         remote ? SendRegion(fab, a, epoch, q) + FabricHeaderBytes(s) + static_cast<size_t>(t) * row_bytes + off
-               : Peer(a, q) + a.lay.comb + (ch * entries + static_cast<long long>(t) * r + first) * row_bytes + off);
+               : Peer(a, q) + a.lay.comb + slot + (ch * entries + static_cast<long long>(t) * r + first) * row_bytes + off);
 #pragma unroll
     for (int u = 0; u < kSumVecs; ++u)
       if (lane + 32 * u < vecs) dst[lane + 32 * u] = PackBf16(acc[u]);
@@ -151,11 +152,12 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Pa
   __shared__ int free_ok;
   const int half = kCombineSend + 2 * ch, flag = kCombineFlag + 2 * ch, ack = kCombineAck + 2 * ch;
   const unsigned long long epoch = Local(a)->epoch[half] + 1;
+  const size_t slot = RoundSlot(epoch) * a.lay.combine_slot;  // the token owners' areas of this round
   const FabricArgs& fab = a.fab[1 + ch];
   TracePart0(a, part, half, epoch, kTraceStart);
-  // The token owners must have summed the previous epoch before their combine areas are overwritten.
+  // The token owners must have summed the last round in this slot before their combine areas are overwritten.
   if (threadIdx.x < n && !IsRemote(a, threadIdx.x))
-    WaitAtLeast(a, Flags(a.base, a, ack) + threadIdx.x, epoch - 1, ack * kWaitStride + threadIdx.x);
+    WaitAtLeast(a, Flags(a.base, a, ack) + threadIdx.x, epoch - kRoundSlots, ack * kWaitStride + threadIdx.x);
   if (threadIdx.x == 0)
     free_ok = a.num_remote == 0 ||
               WaitFabric(a, fab, proxy::kSent, epoch - kFabricLanes, ack * kWaitStride + FirstRemote(a), 1 + ch, part);
@@ -215,11 +217,11 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Pa
       continue;
     }
     if (q == a.rank) {  // this rank's own entry: combine_recv reads the row from expert_y, only its index moves
-      if (off == 0 && lane == 0) reinterpret_cast<int32_t*>(a.base + a.lay.self)[ch * entries + tk] = static_cast<int32_t>(i);
+      if (off == 0 && lane == 0) reinterpret_cast<int32_t*>(a.base + a.lay.self + slot)[ch * entries + tk] = static_cast<int32_t>(i);
       continue;
     }
     const int bytes = s.combine_row_bytes() - off < kChunkBytes ? s.combine_row_bytes() - off : kChunkBytes;
-    WarpCopy16(Peer(a, q) + a.lay.comb + (ch * entries + tk) * s.combine_row_bytes() + off, y + i * s.combine_row_bytes() + off, bytes, lane);
+    WarpCopy16(Peer(a, q) + a.lay.comb + slot + (ch * entries + tk) * s.combine_row_bytes() + off, y + i * s.combine_row_bytes() + off, bytes, lane);
   }
   if (mode != kPerEntry) SendSums(a, part, ch, mode, y, route, total, fab, epoch, a.num_remote > 0 && free_ok);
   FinishPart(a, part, half, [&](LocalSync* ls) {
@@ -271,8 +273,9 @@ __device__ void CombineRecvBody(const KernelArgs& a, const CombineRecvIo& io, Pa
   TracePart0(a, part, half, epoch, kTraceWaited);
   const int r = s.experts_per_token, l = s.local_experts, lane = threadIdx.x & 31;
   const long long entries = s.entries();
-  const uint8_t* comb = a.base + a.lay.comb + static_cast<size_t>(ch) * entries * s.combine_row_bytes();
-  const int32_t* self = reinterpret_cast<const int32_t*>(a.base + a.lay.self) + ch * entries;
+  const size_t slot = RoundSlot(epoch) * a.lay.combine_slot;  // this round's slot of the combine fields
+  const uint8_t* comb = a.base + a.lay.comb + slot + static_cast<size_t>(ch) * entries * s.combine_row_bytes();
+  const int32_t* self = reinterpret_cast<const int32_t*>(a.base + a.lay.self + slot) + ch * entries;
   const int vecs = s.combine_row_bytes() >> 4;  // 8 bf16 per 16-byte vector
   const int pieces = (vecs + kPieceVecs - 1) / kPieceVecs;
   const int warps = static_cast<int>(part.count * (blockDim.x >> 5));

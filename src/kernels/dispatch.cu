@@ -33,12 +33,14 @@ __device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io, 
   const int experts = s.num_experts, r = s.experts_per_token, n = s.num_ranks;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned long long epoch = Local(a)->epoch[kDispatchSend] + 1;
+  const size_t slot = RoundSlot(epoch) * a.lay.dispatch_slot;  // the receivers' areas of this round
   __shared__ int warp_count[kWarps];
   TracePart0(a, part, kDispatchSend, epoch, kTraceStart);
 
-  // The receivers must have consumed the previous epoch before their areas are overwritten.
+  // The receivers must have consumed the last round in this slot before its areas are overwritten.
   if (threadIdx.x < n && !IsRemote(a, threadIdx.x))
-    WaitAtLeast(a, Flags(a.base, a, kDispatchAck) + threadIdx.x, epoch - 1, kDispatchAck * kWaitStride + threadIdx.x);
+    WaitAtLeast(a, Flags(a.base, a, kDispatchAck) + threadIdx.x, epoch - kRoundSlots,
+                kDispatchAck * kWaitStride + threadIdx.x);
   __syncthreads();
   TracePart0(a, part, kDispatchSend, epoch, kTraceWaited);
 
@@ -49,7 +51,7 @@ __device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io, 
     }
     // How many tokens this round has: the receivers' route tables cover those, not max_tokens.
     if (threadIdx.x < n && !IsRemote(a, threadIdx.x))
-      reinterpret_cast<int32_t*>(Peer(a, threadIdx.x) + a.lay.sent)[a.rank] = tokens;
+      reinterpret_cast<int32_t*>(Peer(a, threadIdx.x) + a.lay.sent + slot)[a.rank] = tokens;
   }
 
   // Copies first: their stores drain over NVLink while the block goes on with the scans. One warp per 4 KiB piece
@@ -67,7 +69,7 @@ __device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io, 
     }
     // Own tokens: dispatch_recv reads them from x; remote ranks': DispatchPackKernel.
     if (p == a.rank || IsRemote(a, p) || !__any_sync(0xffffffffu, here)) continue;
-    uint8_t* dst = Peer(a, p) + a.lay.tokens + (static_cast<size_t>(a.rank) * s.max_tokens + t) * RecordBytes(s);
+    uint8_t* dst = Peer(a, p) + a.lay.tokens + slot + (static_cast<size_t>(a.rank) * s.max_tokens + t) * RecordBytes(s);
     const int bytes = s.x_bytes() - off < kChunkBytes ? s.x_bytes() - off : kChunkBytes;
     WarpCopy16(dst + off, x + static_cast<size_t>(t) * s.x_bytes() + off, bytes, lane);
     if (xs && off == 0) WarpCopy4(dst + s.x_bytes(), xs + static_cast<size_t>(t) * s.scale_bytes(), s.scale_bytes(), lane);
@@ -79,7 +81,7 @@ __device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io, 
     const int p = g / s.local_experts, e = g - p * s.local_experts;
     if (IsRemote(a, p)) continue;  // the same for the whole block
     uint8_t* peer = Peer(a, p);
-    int32_t* list = reinterpret_cast<int32_t*>(peer + a.lay.list) + (static_cast<size_t>(a.rank) * s.local_experts + e) * s.max_tokens;
+    int32_t* list = reinterpret_cast<int32_t*>(peer + a.lay.list + slot) + (static_cast<size_t>(a.rank) * s.local_experts + e) * s.max_tokens;
     int running = 0;
     for (int base = 0; base < tokens; base += kThreads) {
       const int t = base + threadIdx.x;
@@ -103,7 +105,7 @@ __device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io, 
       running += total;
       __syncthreads();
     }
-    if (threadIdx.x == 0) reinterpret_cast<int32_t*>(peer + a.lay.counts)[a.rank * s.local_experts + e] = running;
+    if (threadIdx.x == 0) reinterpret_cast<int32_t*>(peer + a.lay.counts + slot)[a.rank * s.local_experts + e] = running;
   }
 
   FinishPart(a, part, kDispatchSend, [&](LocalSync* ls) {
@@ -226,6 +228,7 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io, 
   int* tab = sent + n;              // [kTableTokens * R]: the rows of one route-table job's entries
   __shared__ int fab_ok;
   const unsigned long long epoch = Local(a)->epoch[kDispatchRecv] + 1;
+  const uint8_t* area = a.base + RoundSlot(epoch) * a.lay.dispatch_slot;  // this round's slot of the dispatch fields
   const FabricArgs& fab = a.fab[0];
   TracePart0(a, part, kDispatchRecv, epoch, kTraceStart);
 
@@ -247,7 +250,7 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io, 
     const int q = threadIdx.x;
     int v = IsRemote(a, q) ? frows[q] : 0;  // a remote sender: the slots of its region (its header, checked)
     if (ok[q] && !IsRemote(a, q)) {
-      v = __ldcg(reinterpret_cast<const int32_t*>(a.base + a.lay.sent) + q);
+      v = __ldcg(reinterpret_cast<const int32_t*>(area + a.lay.sent) + q);
       if (v < 0 || v > s.max_tokens || (q == a.rank && v != x_tokens)) {
         RaiseError(a, kBadPeerData, q);
         v = 0;
@@ -257,7 +260,7 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io, 
   }
   __syncthreads();
   TracePart0(a, part, kDispatchRecv, epoch, kTraceWaited);
-  const int32_t* counts = reinterpret_cast<const int32_t*>(a.base + a.lay.counts);
+  const int32_t* counts = reinterpret_cast<const int32_t*>(area + a.lay.counts);
   for (int f = threadIdx.x; f < blocks; f += blockDim.x) {
     const int e = f / n, q = f - e * n;
     int v = 0;
@@ -298,8 +301,8 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io, 
     if (threadIdx.x < n) route[RouteSentOffset(s) + threadIdx.x] = sent[threadIdx.x];
   }
   const int lane = threadIdx.x & 31;
-  const int32_t* list = reinterpret_cast<const int32_t*>(a.base + a.lay.list);
-  const uint8_t* toks = a.base + a.lay.tokens;
+  const int32_t* list = reinterpret_cast<const int32_t*>(area + a.lay.list);
+  const uint8_t* toks = area + a.lay.tokens;
   FillRouteTable(a, part, start, ok, sent, list, toks, w, x_tokens, tab, route, fab, epoch, loff);
   const long long entries = s.entries(), rows = padding == kPadLeave ? total : s.max_recv_rows();
   // Warp w takes rows w, w + W, w + 2W, ... (W warps in the grid), 32 at a time: lane j first finds the source of

@@ -45,6 +45,14 @@ enum TracePoint { kTraceStart = 0, kTraceWaited = 1, kTraceWork = 2, kTraceEnd =
 using proxy::MoeShape;
 using proxy::AlignUp;
 
+// Rounds of one direction (and combine channel) that may be in flight at once: sent, not yet received. The areas a
+// sender writes into (dispatch: counts, sent, list, tokens; combine: comb, self) exist once per slot, and round e uses
+// slot e % kRoundSlots, so a sender may write round e + 1 while its receivers still read round e; before writing
+// round e it waits for their acknowledgement of round e - kRoundSlots, the last one in that slot. Two: a second
+// micro-batch's dispatch can travel while the first's experts run, at twice one round's area memory.
+constexpr int kRoundSlots = 2;
+JAX_MOE_HD inline int RoundSlot(unsigned long long epoch) { return static_cast<int>(epoch % kRoundSlots); }
+
 // Byte offsets of the fields inside one device buffer.
 // Dispatch moves each token once per destination rank (not once per (t, k)): sender s writes token t into
 // tokens[s][t] of every rank that holds one of its experts, and for each local expert e of that rank the list of
@@ -55,14 +63,18 @@ struct MoeLayout {
   size_t local = 0;   // LocalSync (this device only)
   size_t peers = 0;   // uint8_t* [n]: every peer's buffer base, as this device addresses it
   size_t trace = 0;   // uint64 [kTraceRing][kHalves][kTracePoints] (this device only)
+  // One slot's dispatch fields (counts, sent, list, tokens), then the others' at + slot * dispatch_slot.
   size_t counts = 0;  // int32 [n][l]: tokens per local expert from sender s
   size_t sent = 0;    // int32 [n]: tokens sender s dispatched this round (bounds the route table's work)
   size_t list = 0;    // int32 [n][l][max_tokens]: t * R + k on sender s of the i-th token for local expert e
   size_t tokens = 0;  // [n][max_tokens] records of RecordBytes: token t of sender s, its scales, then its R router
                       // weights when dispatch_send was given them (only the tokens sent are written)
+  size_t dispatch_slot = 0;  // bytes of one slot's dispatch fields
+  // One slot's combine fields (comb, self), then the others' at + slot * combine_slot.
   size_t comb = 0;    // [channels][max_tokens * R] rows of y_bytes: expert outputs returned to this token owner
   size_t self = 0;    // int32 [channels][max_tokens * R]: for entries served by this rank, their expert_y row (this
                       // rank's own rows are not copied: combine_recv reads them from expert_y)
+  size_t combine_slot = 0;  // bytes of one slot's combine fields
   size_t fpos = 0;    // int32 [channels][max_tokens * R]: for entries served by a remote rank, their row in its
                       // combine region (written by combine_recv's index kernel, read by combine_recv)
   size_t fexp = 0;    // int32 [channels][n]: rows each remote rank must return (same kernel)
@@ -110,12 +122,18 @@ inline MoeLayout MakeLayout(const MoeShape& s) {
   m.local = take(sizeof(LocalSync));
   m.peers = take(sizeof(void*) * s.num_ranks);
   m.trace = take(sizeof(unsigned long long) * kTraceRing * kHalves * kTracePoints);
+  const size_t dispatch_at = at;
   m.counts = take(sizeof(int32_t) * s.num_ranks * s.local_experts);
   m.sent = take(sizeof(int32_t) * s.num_ranks);
   m.list = take(sizeof(int32_t) * size_t(s.num_ranks) * s.local_experts * s.max_tokens);
   m.tokens = take(size_t(RecordBytes(s)) * s.num_ranks * s.max_tokens);
+  m.dispatch_slot = at - dispatch_at;
+  at += m.dispatch_slot * (kRoundSlots - 1);
+  const size_t combine_at = at;
   m.comb = take(size_t(s.combine_row_bytes()) * s.entries() * kCombineChannels);
   m.self = take(sizeof(int32_t) * s.entries() * kCombineChannels);
+  m.combine_slot = at - combine_at;
+  at += m.combine_slot * (kRoundSlots - 1);
   m.fpos = take(sizeof(int32_t) * s.entries() * kCombineChannels);
   m.fexp = take(sizeof(int32_t) * s.num_ranks * kCombineChannels);
   m.total = at;
@@ -146,7 +164,7 @@ JAX_MOE_HD inline int64_t RouteLength(const MoeShape& s) { return RouteWeightsOf
 //             kWeighted, kUnit: one row per slot, the token's rows held by the expert rank weighted and summed there
 //             (as NVLink peers return them), so a token costs one row per remote rank, not one per (t, k).
 // Both ends compute every offset alike; the counts and the header's rows say how much is valid.
-constexpr int kFabricLanes = 1;  // one round per stream in flight, as on NVLink
+constexpr int kFabricLanes = kRoundSlots;  // rounds per stream in flight, as on NVLink
 constexpr int kFabricStreams = 1 + kCombineChannels;
 
 JAX_MOE_HD inline uint64_t FabricHeaderBytes(const MoeShape& s) { return proxy::RegionHeaderBytes(s); }

@@ -32,17 +32,18 @@ ffi::Error ToFfi(const DeviceReport& r) {
   return r.empty() ? ffi::Error::Success() : ffi_util::ToFfi(r.code, r.message);
 }
 
-// A send is refused while its stream holds a round that was never received: its kernel would wait for peers' acks of
-// that round forever (every rank runs the same program, so every rank refuses alike). jax_moe.rounds refuses such
-// programs at trace time; this catches handles that crossed programs (a send in one jitted call, no receive later).
+// A send is refused while its stream holds kRoundSlots rounds that were never received: its kernel would wait for
+// peers' acks of the oldest forever (every rank runs the same program, so every rank refuses alike). jax_moe.rounds
+// refuses such programs at trace time; this catches handles that crossed programs (sends in one jitted call, no
+// receive later).
 ffi::Error CheckStreamFree(const DeviceComm& dev, int stream, const char* op) {
-  if (dev.open_rounds[stream].load(std::memory_order_relaxed) <= 0) return ffi::Error::Success();
+  if (dev.open_rounds[stream].load(std::memory_order_relaxed) < kRoundSlots) return ffi::Error::Success();
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                    std::string("jax_moe cuda: ") + op + " on " + dev.names[dev.args.rank] +
-                        ": the previous " + (stream == 0 ? "dispatch_send" : "combine_send") +
-                        " of this Communicator was never received (its handle must reach the receive half exactly "
-                        "once); backend 'cuda' holds one round per direction, so this Communicator cannot go on: "
-                        "build a new one");
+                    std::string("jax_moe cuda: ") + op + " on " + dev.names[dev.args.rank] + ": the previous " +
+                        std::to_string(kRoundSlots) + " " + (stream == 0 ? "dispatch_send" : "combine_send") +
+                        " calls of this Communicator were never received (each handle must reach the receive half "
+                        "exactly once); backend 'cuda' holds " + std::to_string(kRoundSlots) +
+                        " rounds per direction, so this Communicator cannot go on: build a new one");
 }
 
 ffi::Error Device(int64_t comm_id, int32_t ordinal, std::shared_ptr<const DeviceComm>& dev) {
