@@ -103,6 +103,7 @@ class CudaBackend(NativeBackend):
     ffi_platform = "CUDA"
     rounds_in_flight = 2  # two area slots per direction and channel (kRoundSlots): a send waits (on the stream)
     # for the receive of the round two before it
+    receives_in_order = True  # a receive reads the slot of its own epoch, and its ack covers every earlier round
     uses_fabric = True  # ranks on other nodes
     # The combine inside dispatch's gradient: "cuda" (channel 1 of the kernels) or "reference" (the "xla" backend's
     # per-entry path). JAX_MOE_CUDA_BACKWARD_COMBINE overrides.

@@ -33,7 +33,7 @@ DeviceReport Report(const DeviceComm& dev, unsigned long long word) {
       if (flag < 0 || flag >= kFlagKinds)
         return {true, ErrorCode::kTimeout, "jax_moe cuda: a wait timed out (" + std::to_string(detail) + ")"};
       const int what = flag < kCombineFlag ? flag : kCombineFlag + (flag - kCombineFlag) % 2;
-      // Rounds run in program order and a send whose previous round was never received is refused by its handler,
+      // Rounds run in program order and a send whose stream holds rounds never received is refused by its handler,
       // so a missing flag means the peer's program stopped or never made that call.
       return {true, ErrorCode::kTimeout,
               "jax_moe cuda: " + Name(dev, detail % kWaitStride) +

@@ -157,10 +157,10 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Pa
   TracePart0(a, part, half, epoch, kTraceStart);
   // The token owners must have summed the last round in this slot before their combine areas are overwritten.
   if (threadIdx.x < n && !IsRemote(a, threadIdx.x))
-    WaitAtLeast(a, Flags(a.base, a, ack) + threadIdx.x, epoch - kRoundSlots, ack * kWaitStride + threadIdx.x);
+    WaitAtLeast(a, Flags(a.base, a, ack) + threadIdx.x, SlotPredecessor(epoch), ack * kWaitStride + threadIdx.x);
   if (threadIdx.x == 0)
     free_ok = a.num_remote == 0 ||
-              WaitFabric(a, fab, proxy::kSent, epoch - kFabricLanes, ack * kWaitStride + FirstRemote(a), 1 + ch, part);
+              WaitFabric(a, fab, proxy::kSent, SlotPredecessor(epoch), ack * kWaitStride + FirstRemote(a), 1 + ch, part);
   const long long rows = s.max_recv_rows(), entries = s.entries();
   if (a.num_remote > 0) {
     for (int f = threadIdx.x; f <= blocks; f += blockDim.x) sstart[f] = route[rows + 1 + f];

@@ -39,7 +39,7 @@ __device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io, 
 
   // The receivers must have consumed the last round in this slot before its areas are overwritten.
   if (threadIdx.x < n && !IsRemote(a, threadIdx.x))
-    WaitAtLeast(a, Flags(a.base, a, kDispatchAck) + threadIdx.x, epoch - kRoundSlots,
+    WaitAtLeast(a, Flags(a.base, a, kDispatchAck) + threadIdx.x, SlotPredecessor(epoch),
                 kDispatchAck * kWaitStride + threadIdx.x);
   __syncthreads();
   TracePart0(a, part, kDispatchSend, epoch, kTraceWaited);

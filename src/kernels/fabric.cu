@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(kThreads)
   const int p = RemoteRank(a, blockIdx.x / per_rank);
   // The NIC must be done with this lane's previous round before it is rewritten.
   if (threadIdx.x == 0)
-    free_ok = p >= 0 && WaitFabric(a, fab, proxy::kSent, epoch - kFabricLanes, kDispatchAck * kWaitStride + p, 0,
+    free_ok = p >= 0 && WaitFabric(a, fab, proxy::kSent, SlotPredecessor(epoch), kDispatchAck * kWaitStride + p, 0,
                                    BlockPart());
   __syncthreads();
   if (free_ok) {  // the same for the whole block

@@ -52,6 +52,10 @@ using proxy::AlignUp;
 // micro-batch's dispatch can travel while the first's experts run, at twice one round's area memory.
 constexpr int kRoundSlots = 2;
 JAX_MOE_HD inline int RoundSlot(unsigned long long epoch) { return static_cast<int>(epoch % kRoundSlots); }
+// The last round before `epoch` in its slot (0: none yet; epochs are unsigned, so never `epoch - kRoundSlots` as is).
+JAX_MOE_HD inline unsigned long long SlotPredecessor(unsigned long long epoch) {
+  return epoch > kRoundSlots ? epoch - kRoundSlots : 0;
+}
 
 // Byte offsets of the fields inside one device buffer.
 // Dispatch moves each token once per destination rank (not once per (t, k)): sender s writes token t into

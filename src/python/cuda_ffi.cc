@@ -240,13 +240,14 @@ void RegisterCuda(nb::module_& m) {
             values.size() > static_cast<size_t>(a.s.max_tokens))
           throw std::invalid_argument("sender, expert or the number of values out of range");
         jax_moe::cuda::DeviceScope scope(ordinal);
-        // The slot of the last round sent: the one the next dispatch_recv reads.
+        // The slot the next dispatch_recv reads: that of the receive half's next epoch.
         jax_moe::cuda::LocalSync local{};
         if (cudaMemcpy(&local, a.base + a.lay.local, sizeof(local), cudaMemcpyDeviceToHost) != cudaSuccess) {
           (void)cudaGetLastError();
           throw std::runtime_error("cudaMemcpy of the device's epochs failed");
         }
-        const size_t slot = jax_moe::cuda::RoundSlot(local.epoch[jax_moe::cuda::kDispatchSend]) * a.lay.dispatch_slot;
+        const size_t slot =
+            jax_moe::cuda::RoundSlot(local.epoch[jax_moe::cuda::kDispatchRecv] + 1) * a.lay.dispatch_slot;
         uint8_t* at = a.base + a.lay.list + slot +
                       sizeof(int32_t) * (static_cast<size_t>(sender) * a.s.local_experts + expert) * a.s.max_tokens;
         if (cudaMemcpy(at, values.data(), sizeof(int32_t) * values.size(), cudaMemcpyHostToDevice) != cudaSuccess) {
@@ -254,8 +255,8 @@ void RegisterCuda(nb::module_& m) {
           throw std::runtime_error("cudaMemcpy into the list failed");
         }
       },
-      "Tests only: overwrites the start of list[sender][expert] in a device's receive area of the last round sent "
-      "(what a faulty peer could write), while no kernel of the Communicator runs.");
+      "Tests only: overwrites the start of list[sender][expert] in the device's receive area that its next "
+      "dispatch_recv reads (what a faulty peer could write), while no kernel of the Communicator runs.");
   cuda.def("read_trace", &jax_moe::cuda::ReadTrace,
            "Device-side trace of a device: flat [64 epochs][halves][start, waited, work, end] %globaltimer ns "
            "(JAX_MOE_CUDA_TRACE=1 when the Communicator was made).");

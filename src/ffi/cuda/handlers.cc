@@ -46,6 +46,19 @@ ffi::Error CheckStreamFree(const DeviceComm& dev, int stream, const char* op) {
                         " rounds per direction, so this Communicator cannot go on: build a new one");
 }
 
+// A one-shot call receives at once, and a receive takes the oldest open round of its stream: refused while any is
+// open (jax_moe.rounds refuses it at trace time; this catches handles kept across programs).
+ffi::Error CheckStreamEmpty(const DeviceComm& dev, int stream, const char* op) {
+  if (dev.open_rounds[stream].load(std::memory_order_relaxed) <= 0) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    std::string("jax_moe cuda: ") + op + " on " + dev.names[dev.args.rank] + ": a " +
+                        (stream == 0 ? "dispatch_send" : "combine_send") +
+                        " of this Communicator was never received, and backend 'cuda' receives rounds in the order "
+                        "they were sent, so this one-shot call cannot run before it (each handle must reach the "
+                        "receive half exactly once; a handle dropped leaves this Communicator unusable: build a new "
+                        "one)");
+}
+
 ffi::Error Device(int64_t comm_id, int32_t ordinal, std::shared_ptr<const DeviceComm>& dev) {
   dev = FindDevice(comm_id, ordinal);
   if (!dev) {
@@ -218,7 +231,7 @@ ffi::Error CheckCombineRecv(const KernelArgs& a, int64_t channel, int64_t mode, 
   return ffi::Error::Success();
 }
 
-// A send half: refused while its stream holds a round never received; counts the round it opens.
+// A send half: refused while its stream holds kRoundSlots rounds never received; counts the round it opens.
 template <bool kGraph, typename LaunchFn>
 ffi::Error Send(const DeviceComm& dev, int stream, const char* op, LaunchFn launch) {
   if constexpr (!kGraph) {
@@ -245,7 +258,7 @@ ffi::Error Recv(const DeviceComm& dev, int stream, const char* op, LaunchFn laun
 template <bool kGraph, typename LaunchFn>
 ffi::Error OneShot(const DeviceComm& dev, int stream, const char* op, LaunchFn launch) {
   if constexpr (!kGraph) {
-    if (auto e = CheckStreamFree(dev, stream, op); e.failure()) return e;
+    if (auto e = CheckStreamEmpty(dev, stream, op); e.failure()) return e;
   }
   const DeviceReport earlier = TakeError(dev);
   bool send_launched = false;
