@@ -1,8 +1,8 @@
 """The native backends' XLA FFI calls: in program order on every device, usable inside shard_map with check_vma=True.
 
-**Program order.** A send half of round k+1 must not run before the receive half of round k on the same device when
-both use one buffer: on a GPU the send would wait (on the stream) for a receive queued behind it, and on the CPU more
-rounds than receive lanes would be in flight. Data dependencies do not order independent rounds, and XLA schedules
+**Program order.** A send half must not run before the receive half of the round that last used its buffer on the
+same device (on "cuda" the round two back, on "cpu" one lane's worth back): on a GPU the send would wait (on the
+stream) for a receive queued behind it, and on the CPU more rounds than receive lanes would be in flight. Data dependencies do not order independent rounds, and XLA schedules
 side-effecting custom calls freely (e.g. all sends of a loop first, or a forward receive after the backward's
 sends, also across shard_map bodies). So every call carries one *ordered effect*: JAX then threads a token through
 all of them in program (trace) order — across shard_map bodies, loops, custom_vjp's forward and backward and

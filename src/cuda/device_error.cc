@@ -54,6 +54,13 @@ DeviceReport Report(const DeviceComm& dev, unsigned long long word) {
                   (why.empty() ? std::string() : ": " + why) +
                   "; this Communicator cannot go on: build a new Communicator"};
     }
+    case kOutOfOrder:
+      return {true, ErrorCode::kMisuse,
+              "jax_moe cuda: a " + std::string(detail == 0 ? "dispatch_recv" : "combine_recv") + " of " +
+                  Name(dev, dev.args.rank) + " was given the handle of another round than the one it was due to "
+                  "receive: a handle was dropped (sent, never received) or rounds of one direction were received out "
+                  "of send order across programs; backend 'cuda' receives them in send order. This Communicator's "
+                  "rounds are out of step from then on and every later call fails: build a new Communicator"};
     default:
       return {true, ErrorCode::kInternal, "jax_moe cuda: device error " + std::to_string(kind)};
   }

@@ -257,6 +257,7 @@ __device__ void CombineRecvBody(const KernelArgs& a, const CombineRecvIo& io, Pa
   const int32_t* fpos = reinterpret_cast<const int32_t*>(a.base + a.lay.fpos) + static_cast<size_t>(ch) * s.entries();
   const int32_t* fexp = reinterpret_cast<const int32_t*>(a.base + a.lay.fexp) + ch * s.num_ranks;
   TracePart0(a, part, half, epoch, kTraceStart);
+  CheckTicket(a, io.ticket, epoch, 1 + ch, part);
   if (threadIdx.x < s.num_ranks && !IsRemote(a, threadIdx.x))
     WaitAtLeast(a, Flags(a.base, a, flag) + threadIdx.x, epoch, flag * kWaitStride + threadIdx.x);
   if (threadIdx.x == 0)

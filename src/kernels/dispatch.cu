@@ -231,6 +231,7 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io, 
   const uint8_t* area = a.base + RoundSlot(epoch) * a.lay.dispatch_slot;  // this round's slot of the dispatch fields
   const FabricArgs& fab = a.fab[0];
   TracePart0(a, part, kDispatchRecv, epoch, kTraceStart);
+  CheckTicket(a, io.ticket, epoch, 0, part);
 
   if (threadIdx.x < n && !IsRemote(a, threadIdx.x))
     ok[threadIdx.x] = WaitAtLeast(a, Flags(a.base, a, kDispatchFlag) + threadIdx.x, epoch,

@@ -36,6 +36,7 @@ struct DispatchRecvIo {
   void* expert_x_scale = nullptr;
   int32_t* counts = nullptr;
   int32_t* route = nullptr;
+  const int32_t* ticket = nullptr;  // the send's ticket (split calls): its epoch must be the one this receive is due
 };
 
 // combine_send: expert_y [M, hidden] (bf16) -> the token owners' combine areas of `channel`: per (t, k) entry, or per
@@ -59,6 +60,7 @@ struct CombineRecvIo {
   const int32_t* topk_idx = nullptr;
   const void* expert_y = nullptr;
   void* out = nullptr;
+  const int32_t* ticket = nullptr;  // the send's ticket (split calls): its epoch must be the one this receive is due
 };
 
 cudaError_t LaunchDispatchSend(const KernelArgs& a, const DispatchSendIo& io, cudaStream_t stream);

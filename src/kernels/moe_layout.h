@@ -28,7 +28,9 @@ constexpr int kWaitStride = 1024;
 // Error codes in the host-mapped error word (reported by the next recv half's handler).
 // kBadPeerData: a peer's counts or token lists did not fit this buffer (detail = that rank); its data was dropped.
 // kProxyFailed: the host proxy serving this device's remote ranks stopped (detail = stream); its error says why.
-enum ErrorKind { kNoError = 0, kBadExpertId = 1, kTimeout = 2, kBadPeerData = 3, kProxyFailed = 4 };
+// kOutOfOrder: a receive half was given the handle of another round than the one it was due to receive (detail =
+// stream): a handle dropped, or rounds received out of send order across programs. The rounds are out of step.
+enum ErrorKind { kNoError = 0, kBadExpertId = 1, kTimeout = 2, kBadPeerData = 3, kProxyFailed = 4, kOutOfOrder = 5 };
 // An error is ErrorKind << 32 | uint32 detail. The published error word adds its number (1..kErrorSeqMax, wrapping)
 // above bit kErrorSeqShift; the host acknowledges a number by writing it into the ack word (see KernelArgs).
 constexpr int kErrorSeqShift = 40;

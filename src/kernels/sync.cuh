@@ -35,7 +35,15 @@ __device__ __forceinline__ LocalSync* Local(const KernelArgs& a) {
 __device__ __forceinline__ void RaiseError(const KernelArgs& a, int kind, int detail) {
   const unsigned long long word = (static_cast<unsigned long long>(kind) << 32) | static_cast<unsigned>(detail);
   atomicCAS(&Local(a)->error, 0ull, word);
-  if (kind == kTimeout || kind == kProxyFailed) atomicCAS_system(a.timeout, 0ull, word);
+  if (kind == kTimeout || kind == kProxyFailed || kind == kOutOfOrder) atomicCAS_system(a.timeout, 0ull, word);
+}
+
+// A split receive's handle must be the round it is due to receive (its epoch): else the rounds are out of step (a
+// handle dropped, or received out of send order across programs), reported once and for good (kOutOfOrder).
+__device__ __forceinline__ void CheckTicket(const KernelArgs& a, const int32_t* ticket, unsigned long long epoch,
+                                            int stream, Part part) {
+  if (ticket != nullptr && part.id == 0 && threadIdx.x == 0 && __ldcg(ticket) != static_cast<int32_t>(epoch))
+    RaiseError(a, kOutOfOrder, stream);
 }
 
 // Publishes the ending launch's error, if any, with the next number. Only when the host has acknowledged the previous

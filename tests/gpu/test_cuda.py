@@ -253,3 +253,25 @@ def test_flax_layer_with_poisoned_padding_matches_xla(monkeypatch):
     for name, g in g_xla.items():
         err = np.linalg.norm(g_cuda[name] - g) / max(np.linalg.norm(g), 1e-12)
         assert err < 3e-2, (name, err)
+
+
+def test_a_dropped_handle_puts_the_rounds_out_of_step_and_is_reported(rng):
+    """One dispatch_send whose handle is dropped (a program returns without receiving it): "cuda" holds two rounds,
+    so the next send is accepted, and its receive would read the dropped round. The receive kernel compares its
+    handle's round with the one it is due and raises a sticky error; every later call fails, naming the cause."""
+    e, r, hidden, t = 4, 2, 128, 4
+    comm = comm_of(jax_moe.MoEConfig(e, r, hidden, t), 1)
+    x, _ = random_tokens(rng, t, hidden, False)
+    idx = random_routing(rng, 1, t, r, e)
+    w = rng.random((t, r)).astype(np.float32)
+    spec = dict(mesh=comm.mesh, in_specs=(P("ep"),) * 2, out_specs=P("ep"))
+    leak = jax.jit(jax.shard_map(lambda x, i: (comm.dispatch_send(x, i), x)[1], **spec))
+    jax.block_until_ready(leak(*shard(comm.mesh, x, idx)))
+    reported = []
+    for _ in range(3):
+        try:
+            jax.block_until_ready(roundtrip(comm, x, idx, w, split_halves=True))
+        except Exception as err:  # noqa: BLE001 - JaxRuntimeError
+            reported.append(str(err))
+    assert reported and all("handle of another round" in m or "was never received" in m for m in reported), reported
+    assert any("handle of another round" in m for m in reported + comm.errors()), reported

@@ -293,6 +293,8 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_i
                                  expert_x_scale, counts, route, io);
       e.failure())
     return e;
+  if (auto e = CheckTicket(ticket.element_count()); e.failure()) return e;
+  io.ticket = ticket.typed_data();
   return Recv<kGraph>(*dev, 0, "dispatch_recv", [&] { return LaunchDispatchRecv(dev->args, io, stream); });
 }
 
@@ -316,6 +318,8 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id
   CombineRecvIo io;
   if (auto e = CheckCombineRecv(dev->args, channel, mode, topk_weights, topk_idx, expert_y, out, io); e.failure())
     return e;
+  if (auto e = CheckTicket(ticket.element_count()); e.failure()) return e;
+  io.ticket = ticket.typed_data();
   return Recv<kGraph>(*dev, 1 + io.channel, "combine_recv", [&] { return LaunchCombineRecv(dev->args, io, stream); });
 }
 
