@@ -399,8 +399,7 @@ uint64_t DeviceFabric::ArrivedBytes(size_t link, const uint8_t* region) const {
   if (h.magic != proxy::kRegionMagic) return FabricHeaderBytes(shape_);
   const int64_t most = link == 0 ? shape_.max_tokens : shape_.rows_per_peer();
   const int64_t rows = h.rows < 0 ? 0 : (h.rows > most ? most : h.rows);
-  const uint64_t n = link == 0 ? FabricRecordsOffset(shape_) + uint64_t(rows) * FabricRecordBytes(shape_)
-                               : FabricHeaderBytes(shape_) + uint64_t(rows) * shape_.combine_row_bytes();
+  const uint64_t n = link == 0 ? FabricDispatchBytes(shape_, rows) : FabricCombineBytes(shape_, rows);
   return n < bound ? n : bound;
 }
 

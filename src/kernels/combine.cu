@@ -70,13 +70,11 @@ __device__ void SendSums(const KernelArgs& a, Part part, int ch, int mode, const
     int at = 0;
     for (int q = 0; q < n; ++q) {
       first_pair[q] = at;
-      const int v = q == a.rank || (IsRemote(a, q) && !fab_free) ? 0 : sent[q];
-      at += v < 0 ? 0 : (v > s.max_tokens ? s.max_tokens : v);  // a route not from dispatch_recv may hold anything
+      at += q == a.rank || (IsRemote(a, q) && !fab_free) ? 0 : static_cast<int>(ClampTokens(s, sent[q]));
     }
     first_pair[n] = at;
   }
-  int own_tokens = sent[a.rank];
-  own_tokens = own_tokens < 0 ? 0 : (own_tokens > s.max_tokens ? s.max_tokens : own_tokens);
+  const int own_tokens = static_cast<int>(ClampTokens(s, sent[a.rank]));
   const size_t slot = RoundSlot(epoch) * a.lay.combine_slot;  // this round's slot of the combine fields
   int32_t* self = reinterpret_cast<int32_t*>(a.base + a.lay.self + slot) + ch * entries;
   const int32_t* own = rows + a.rank * entries;
@@ -177,13 +175,12 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Pa
         }
         if (at > s.rows_per_peer()) at = s.rows_per_peer();
       } else {  // one summed row per slot of the region q sent (SendSums)
-        at = route[RouteSentOffset(s) + q];
-        at = at < 0 ? 0 : (at > s.max_tokens ? s.max_tokens : at);
+        at = ClampTokens(s, route[RouteSentOffset(s) + q]);
       }
       if (part.id == 0 && free_ok) {
         uint8_t* region = SendRegion(fab, a, epoch, q);
         StoreHeader(region, fab, a, epoch, static_cast<int>(at));
-        fab.bytes[(epoch % kFabricLanes) * n + q] = FabricHeaderBytes(s) + static_cast<unsigned long long>(at) * s.combine_row_bytes();
+        fab.bytes[(epoch % kFabricLanes) * n + q] = FabricCombineBytes(s, at);
       }
     }
   }
@@ -388,9 +385,6 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 __global__ void TimestampKernel(uint64_t* out) { out[0] = GlobalTimer(); }
 
-}  // namespace
-
-namespace {
 // combine_send's blocks (or the one kernel's send parts) when every rank dispatched `tokens` tokens: a warp per 4 KiB
 // piece of a row received, or per 2 KiB piece of a (token owner, token) sum. The host knows no peer's tokens, only
 // (for the one-shot call) its own; ranks of one program dispatch alike, and any count is correct (the loops stride).
@@ -401,31 +395,16 @@ LaunchShape SendShapeFor(const KernelArgs& a, int mode, long long tokens) {
                                                   ((a.s.combine_row_bytes() + kSumBytes - 1) / kSumBytes);
   return {GridFor(items, kWarps, a.num_sms), kThreads};
 }
-}  // namespace
 
-LaunchShape CombineSendShape(const KernelArgs& a, int mode) { return SendShapeFor(a, mode, a.s.max_tokens); }
-
-namespace {
 // Warp items of combine_recv: (token, piece) pairs.
 long long RecvItems(const KernelArgs& a, int tokens, int vecs_a_lane) {
   const int pieces = ((a.s.combine_row_bytes() >> 4) + PieceVecs(vecs_a_lane) - 1) / PieceVecs(vecs_a_lane);
   return static_cast<long long>(tokens) * pieces;
 }
-}  // namespace
 
-LaunchShape CombineRecvShape(const KernelArgs& a, int tokens) {
-  const long long blocks = (RecvItems(a, tokens, kRecvVecs) + kRecvThreads / 32 - 1) / (kRecvThreads / 32);
-  // One resident wave at most: a second, partial wave left a 60 us tail at prefill; grid-stride items take the rest.
-  return {static_cast<int>(std::max(1LL, std::min(blocks, static_cast<long long>(kRecvBlocksPerSm) * a.num_sms))),
-          kRecvThreads};
-}
-
-namespace {
 size_t CombineSendSmem(const KernelArgs& a) { return a.num_remote > 0 ? sizeof(int) * (2 * a.s.num_experts + 1) : 0; }
 size_t CombineRecvSmem(const KernelArgs& a) { return sizeof(int) * a.s.num_ranks; }
-}  // namespace
 
-namespace {
 // Parts of the one kernel's receive: a warp per (token, piece) item of kFusedRecvVecs, 0 when the one kernel does not
 // pay. One pass of a resident grid's warps over the receive work, or the two kernels: past that (prefill) the
 // boundary is small beside the sums, which run faster at the receive kernel's occupancy (measured at EP1: 166 against
@@ -436,16 +415,31 @@ int FusedRecvParts(const KernelArgs& a, int tokens) {
   if (fit <= 0 || items > static_cast<long long>(fit) * kWarps) return 0;
   return static_cast<int>(std::max(1LL, (items + kWarps - 1) / kWarps));
 }
+
+// The one kernel of a one-shot combine: its blocks (0: two kernels) and how its parts split, computed once a launch
+// (the part counts cost occupancy look-ups under a mutex).
+OnePlan CombinePlan(const KernelArgs& a, int mode, int tokens) {
+  if (a.num_remote > 0 || !OneKernelAllowed()) return {};
+  const int recvs = FusedRecvParts(a, tokens);
+  if (recvs == 0) return {};
+  const int sends = SendShapeFor(a, mode, tokens).blocks;
+  return {OneKernelBlocks(reinterpret_cast<const void*>(CombineKernel), kThreads, CombineRecvSmem(a), a.num_sms,
+                          sends + recvs),
+          sends, recvs};
+}
+
 }  // namespace
 
-LaunchShape CombineShape(const KernelArgs& a, int mode, int tokens) {
-  if (a.num_remote > 0 || !OneKernelAllowed()) return {0, kThreads};
-  const int recvs = FusedRecvParts(a, tokens);
-  if (recvs == 0) return {0, kThreads};
-  const int parts = SendShapeFor(a, mode, tokens).blocks + recvs;
-  return {OneKernelBlocks(reinterpret_cast<const void*>(CombineKernel), kThreads, CombineRecvSmem(a), a.num_sms, parts),
-          kThreads};
+LaunchShape CombineSendShape(const KernelArgs& a, int mode) { return SendShapeFor(a, mode, a.s.max_tokens); }
+
+LaunchShape CombineRecvShape(const KernelArgs& a, int tokens) {
+  const long long blocks = (RecvItems(a, tokens, kRecvVecs) + kRecvThreads / 32 - 1) / (kRecvThreads / 32);
+  // One resident wave at most: a second, partial wave left a 60 us tail at prefill; grid-stride items take the rest.
+  return {static_cast<int>(std::max(1LL, std::min(blocks, static_cast<long long>(kRecvBlocksPerSm) * a.num_sms))),
+          kRecvThreads};
 }
+
+LaunchShape CombineShape(const KernelArgs& a, int mode, int tokens) { return {CombinePlan(a, mode, tokens).blocks, kThreads}; }
 
 cudaError_t LaunchCombineSend(const KernelArgs& a, const CombineSendIo& io, cudaStream_t stream) {
   const size_t smem = CombineSendSmem(a);
@@ -466,9 +460,8 @@ cudaError_t LaunchCombineRecv(const KernelArgs& a, const CombineRecvIo& io, cuda
 cudaError_t LaunchCombine(const KernelArgs& a, const CombineSendIo& send, const CombineRecvIo& recv,
                           cudaStream_t stream, bool* send_launched) {
   *send_launched = false;
-  if (const int grid = CombineShape(a, send.mode, recv.tokens).blocks; grid > 0) {
-    CombineKernel<<<grid, kThreads, CombineRecvSmem(a), stream>>>(
-        a, send, recv, SendShapeFor(a, send.mode, recv.tokens).blocks, FusedRecvParts(a, recv.tokens));
+  if (const OnePlan plan = CombinePlan(a, send.mode, recv.tokens); plan.blocks > 0) {
+    CombineKernel<<<plan.blocks, kThreads, CombineRecvSmem(a), stream>>>(a, send, recv, plan.send_parts, plan.recv_parts);
     return cudaGetLastError();
   }
   if (cudaError_t err = LaunchCombineSend(a, send, stream); err != cudaSuccess) return err;

@@ -395,27 +395,33 @@ size_t DispatchRecvSmem(const MoeShape& s) {
 
 int TableJobs(const MoeShape& s) { return s.num_ranks * ((s.max_tokens + kTableTokens - 1) / kTableTokens); }
 
-}  // namespace
-
-LaunchShape DispatchSendShape(const KernelArgs& a, int tokens) {
+LaunchShape SendShape(const KernelArgs& a, int tokens) {
   // Enough blocks for one per expert scan and for every (token, rank) copy to have its warp, up to 2 per SM.
   int grid = GridFor(static_cast<long long>(tokens) * a.s.num_ranks * ChunksOf(a.s.x_bytes()), kWarps, a.num_sms);
   if (grid < a.s.num_experts) grid = a.s.num_experts < 2 * a.num_sms ? a.s.num_experts : 2 * a.num_sms;
   return {grid, kThreads};
 }
 
-LaunchShape DispatchRecvShape(const KernelArgs& a) {
+LaunchShape RecvShape(const KernelArgs& a) {
   // A warp per expert_x row, and after them a block per route-table job (they start from the grid's end).
   const long long row_blocks = (a.s.max_recv_rows() + kWarps - 1) / kWarps;
   return {GridFor((row_blocks + TableJobs(a.s)) * kWarps, kWarps, a.num_sms), kThreads};
 }
 
-LaunchShape DispatchShape(const KernelArgs& a, int tokens) {
-  if (a.num_remote > 0 || !OneKernelAllowed()) return {0, kThreads};
-  const int parts = DispatchSendShape(a, tokens).blocks + DispatchRecvShape(a).blocks;
-  return {OneKernelBlocks(reinterpret_cast<const void*>(DispatchKernel), kThreads, DispatchRecvSmem(a.s), a.num_sms, parts),
-          kThreads};
+// The one kernel of a one-shot dispatch: its blocks (0: two kernels) and how its parts split, computed once a launch.
+OnePlan DispatchPlan(const KernelArgs& a, int tokens) {
+  if (a.num_remote > 0 || !OneKernelAllowed()) return {};
+  const int sends = SendShape(a, tokens).blocks, recvs = RecvShape(a).blocks;
+  return {OneKernelBlocks(reinterpret_cast<const void*>(DispatchKernel), kThreads, DispatchRecvSmem(a.s), a.num_sms,
+                          sends + recvs),
+          sends, recvs};
 }
+
+}  // namespace
+
+LaunchShape DispatchSendShape(const KernelArgs& a, int tokens) { return SendShape(a, tokens); }
+LaunchShape DispatchRecvShape(const KernelArgs& a) { return RecvShape(a); }
+LaunchShape DispatchShape(const KernelArgs& a, int tokens) { return {DispatchPlan(a, tokens).blocks, kThreads}; }
 
 cudaError_t LaunchDispatchSend(const KernelArgs& a, const DispatchSendIo& io, cudaStream_t stream) {
   const int grid = DispatchSendShape(a, io.tokens).blocks;
@@ -437,11 +443,10 @@ cudaError_t LaunchDispatchRecv(const KernelArgs& a, const DispatchRecvIo& io, cu
 cudaError_t LaunchDispatch(const KernelArgs& a, const DispatchSendIo& send, const DispatchRecvIo& recv,
                            cudaStream_t stream, bool* send_launched) {
   *send_launched = false;
-  if (const int grid = DispatchShape(a, send.tokens).blocks; grid > 0) {
+  if (const OnePlan plan = DispatchPlan(a, send.tokens); plan.blocks > 0) {
     const size_t smem = DispatchRecvSmem(a.s);
     if (cudaError_t err = AllowSmem(DispatchKernel, smem); err != cudaSuccess) return err;
-    DispatchKernel<<<grid, kThreads, smem, stream>>>(a, send, recv, DispatchSendShape(a, send.tokens).blocks,
-                                                     DispatchRecvShape(a).blocks);
+    DispatchKernel<<<plan.blocks, kThreads, smem, stream>>>(a, send, recv, plan.send_parts, plan.recv_parts);
     return cudaGetLastError();
   }
   if (cudaError_t err = LaunchDispatchSend(a, send, stream); err != cudaSuccess) return err;

@@ -58,6 +58,28 @@ __device__ void ForEachTokenOf(int g, int tokens, int r, const int32_t* idx, int
   }
 }
 
+// Numbers the tokens with an entry on rank p in token order: their slots in p's region, as dispatch sends them and
+// combine returns them (both kernels below must agree). Calls at(t, slot, ks) for every t < tokens: slot -1 if p gets
+// none of t, ks the bits of t's entries on p (R <= 32). Every thread of the block calls it; returns the slots.
+template <typename At>
+__device__ int ForEachSlotOf(const MoeShape& s, int p, int tokens, const int32_t* idx, int* warp_count, At at) {
+  const int r = s.experts_per_token, l = s.local_experts;
+  int slots = 0;
+  for (int base = 0; base < tokens; base += kThreads) {
+    const int t = base + threadIdx.x;
+    unsigned ks = 0;
+    if (t < tokens) {
+      for (int k = 0; k < r; ++k) {
+        const int g = SentExpert(idx + static_cast<size_t>(t) * r, k, s.num_experts);
+        if (g >= 0 && g / l == p) ks |= 1u << k;
+      }
+    }
+    const int i = BlockRank(ks != 0, warp_count, slots);
+    if (t < tokens) at(t, i, ks);
+  }
+  return slots;
+}
+
 // Block (i, b) of `per_rank` serves the i-th remote rank p. Each block derives p's slot of every token and the list
 // offsets of p's experts itself (one pass over topk_idx), so no block waits for another; block b then writes the lists
 // of p's experts b, b + per_rank, ... and the records of tokens b * kWarps + warp, ... The last block rings the bell.
@@ -86,19 +108,7 @@ __global__ void __launch_bounds__(kThreads)
     uint8_t* region = SendRegion(fab, a, epoch, p);
     int32_t* list = reinterpret_cast<int32_t*>(region + FabricHeaderBytes(s));
     uint8_t* records = region + FabricRecordsOffset(s);
-    int slots = 0;
-    for (int base = 0; base < tokens; base += kThreads) {
-      const int t = base + threadIdx.x;
-      bool goes = false;
-      if (t < tokens) {
-        for (int k = 0; k < r; ++k) {
-          const int g = SentExpert(idx + static_cast<size_t>(t) * r, k, s.num_experts);
-          goes |= g >= 0 && g / l == p;
-        }
-      }
-      const int at = BlockRank(goes, warp_count, slots);
-      if (t < tokens) slot[t] = at;
-    }
+    const int slots = ForEachSlotOf(s, p, tokens, idx, warp_count, [&](int t, int at, unsigned) { slot[t] = at; });
     __syncthreads();  // every slot written before any warp follows another's (the lists and records below)
     for (int e = b; e < l; e += per_rank) {
       ForEachTokenOf(p * l + e, tokens, r, idx, warp_count,
@@ -118,8 +128,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int e = threadIdx.x; e < l; e += blockDim.x) counts[e] = cnt[e];
       if (threadIdx.x == 0) {
         StoreHeader(region, fab, a, epoch, slots);
-        fab.bytes[(epoch % kFabricLanes) * s.num_ranks + p] =
-            FabricRecordsOffset(s) + static_cast<unsigned long long>(slots) * FabricRecordBytes(s);
+        fab.bytes[(epoch % kFabricLanes) * s.num_ranks + p] = FabricDispatchBytes(s, slots);
       }
     }
   }
@@ -156,22 +165,9 @@ __global__ void __launch_bounds__(kThreads)
   int32_t* fexp = reinterpret_cast<int32_t*>(a.base + a.lay.fexp) + ch * s.num_ranks;
   if (mode != kPerEntry) {  // the slots, as DispatchPackKernel numbers them; one block a rank is plenty
     if (b != 0) return;
-    int slots = 0;
-    for (int base = 0; base < tokens; base += kThreads) {
-      const int t = base + threadIdx.x;
-      bool goes = false;
-      if (t < tokens)
-        for (int k = 0; k < r; ++k) {
-          const int g = SentExpert(idx + static_cast<size_t>(t) * r, k, s.num_experts);
-          goes |= g >= 0 && g / l == p;
-        }
-      const int at = BlockRank(goes, warp_count, slots);
-      if (goes)
-        for (int k = 0; k < r; ++k) {
-          const int g = SentExpert(idx + static_cast<size_t>(t) * r, k, s.num_experts);
-          if (g >= 0 && g / l == p) fpos[static_cast<size_t>(t) * r + k] = at;
-        }
-    }
+    const int slots = ForEachSlotOf(s, p, tokens, idx, warp_count, [&](int t, int at, unsigned ks) {
+      for (; ks != 0; ks &= ks - 1) fpos[static_cast<size_t>(t) * r + __ffs(ks) - 1] = at;
+    });
     if (threadIdx.x == 0) fexp[p] = slots;
     return;
   }

@@ -178,13 +178,20 @@ JAX_MOE_HD inline uint64_t FabricRecordsOffset(const MoeShape& s) {
   return FabricHeaderBytes(s) + AlignUp(4 * uint64_t(s.rows_per_peer()), 64);
 }
 JAX_MOE_HD inline int FabricRecordBytes(const MoeShape& s) { return RecordBytes(s); }
-JAX_MOE_HD inline uint64_t FabricDispatchRegion(const MoeShape& s) {
-  return AlignUp(FabricRecordsOffset(s) + uint64_t(s.max_tokens) * FabricRecordBytes(s), 64);
+// The bytes a region holds with `slots` token records (dispatch) or `rows` rows (combine): the sender posts them, the
+// receiver's proxy checks an arrival against them (DeviceFabric::ArrivedBytes); one formula for both ends.
+JAX_MOE_HD inline uint64_t FabricDispatchBytes(const MoeShape& s, int64_t slots) {
+  return FabricRecordsOffset(s) + uint64_t(slots) * FabricRecordBytes(s);
 }
+JAX_MOE_HD inline uint64_t FabricCombineBytes(const MoeShape& s, int64_t rows) {
+  return FabricHeaderBytes(s) + uint64_t(rows) * s.combine_row_bytes();
+}
+JAX_MOE_HD inline uint64_t FabricDispatchRegion(const MoeShape& s) { return AlignUp(FabricDispatchBytes(s, s.max_tokens), 64); }
+JAX_MOE_HD inline uint64_t FabricCombineRegion(const MoeShape& s) { return AlignUp(FabricCombineBytes(s, s.rows_per_peer()), 64); }
 
-JAX_MOE_HD inline uint64_t FabricCombineRegion(const MoeShape& s) {
-  return AlignUp(FabricHeaderBytes(s) + uint64_t(s.rows_per_peer()) * s.combine_row_bytes(), 64);
-}
+// A sent count (tokens a sender dispatched: a route's `sent`, a header's rows) clamped to [0, max_tokens]: routes
+// not from dispatch_recv and headers from a faulty peer may hold anything.
+JAX_MOE_HD inline int64_t ClampTokens(const MoeShape& s, int64_t v) { return v < 0 ? 0 : (v > s.max_tokens ? s.max_tokens : v); }
 
 struct FabricArgs {
   uint8_t* send = nullptr;               // our regions, of rank p at (lane * N + p) * region

@@ -19,4 +19,11 @@ bool OneKernelAllowed();
 // parts out, so fewer blocks than parts is correct; more would only wait), at least one.
 int OneKernelBlocks(const void* kernel, int threads, size_t smem, int num_sms, int parts);
 
+// A one-shot call's one kernel: its blocks (0: the call runs as two kernels) and its send and receive parts.
+struct OnePlan {
+  int blocks = 0;
+  int send_parts = 0;
+  int recv_parts = 0;
+};
+
 }  // namespace jax_moe::cuda
