@@ -11,10 +11,10 @@
 
 #include <string>
 
-#include "cuda/device_error.h"
 #include "cuda/device_comm.h"
+#include "cuda/device_error.h"
+#include "cuda/launch.h"
 #include "ffi/ffi_util.h"
-#include "kernels/moe_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -277,7 +277,7 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_i
   if (auto e = CheckDispatchSend(dev->args, has_scale, has_weights, x, x_scale, topk_weights, topk_idx, ticket, io);
       e.failure())
     return e;
-  return Send<kGraph>(*dev, 0, "dispatch_send", [&] { return LaunchDispatchSend(dev->args, io, stream); });
+  return Send<kGraph>(*dev, 0, "dispatch_send", [&] { return Launch(*dev, io, stream); });
 }
 
 template <bool kGraph>
@@ -295,7 +295,7 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_i
     return e;
   if (auto e = CheckTicket(ticket.element_count()); e.failure()) return e;
   io.ticket = ticket.typed_data();
-  return Recv<kGraph>(*dev, 0, "dispatch_recv", [&] { return LaunchDispatchRecv(dev->args, io, stream); });
+  return Recv<kGraph>(*dev, 0, "dispatch_recv", [&] { return Launch(*dev, io, stream); });
 }
 
 template <bool kGraph>
@@ -306,7 +306,7 @@ ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id
   if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
   CombineSendIo io;
   if (auto e = CheckCombineSend(dev->args, channel, mode, expert_y, route, ticket, io); e.failure()) return e;
-  return Send<kGraph>(*dev, 1 + io.channel, "combine_send", [&] { return LaunchCombineSend(dev->args, io, stream); });
+  return Send<kGraph>(*dev, 1 + io.channel, "combine_send", [&] { return Launch(*dev, io, stream); });
 }
 
 template <bool kGraph>
@@ -320,11 +320,11 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id
     return e;
   if (auto e = CheckTicket(ticket.element_count()); e.failure()) return e;
   io.ticket = ticket.typed_data();
-  return Recv<kGraph>(*dev, 1 + io.channel, "combine_recv", [&] { return LaunchCombineRecv(dev->args, io, stream); });
+  return Recv<kGraph>(*dev, 1 + io.channel, "combine_recv", [&] { return Launch(*dev, io, stream); });
 }
 
 // The one-shot calls (`comm.dispatch`, `comm.combine`): both halves from one handler, as one kernel where every rank
-// is on this node (LaunchDispatch / LaunchCombine). The send's ticket is a scratch result.
+// is on this node (cuda/launch.h). The send's ticket is a scratch result.
 template <bool kGraph>
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, bool has_scale, bool has_weights,
                         int64_t padding, ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer topk_weights,
@@ -343,7 +343,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, b
       e.failure())
     return e;
   return OneShot<kGraph>(*dev, 0, "dispatch",
-                         [&](bool* sent) { return LaunchDispatch(dev->args, send, recv, stream, sent); });
+                         [&](bool* sent) { return Launch(*dev, send, recv, stream, sent); });
 }
 
 template <bool kGraph>
@@ -359,14 +359,14 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, in
   if (auto e = CheckCombineRecv(dev->args, channel, mode, topk_weights, topk_idx, expert_y, out, recv); e.failure())
     return e;
   return OneShot<kGraph>(*dev, 1 + send.channel, "combine",
-                         [&](bool* sent) { return LaunchCombine(dev->args, send, recv, stream, sent); });
+                         [&](bool* sent) { return Launch(*dev, send, recv, stream, sent); });
 }
 
 // Passes `a` through (aliased) and stamps the device time once everything before it on the stream has finished.
 template <bool kGraph>
 ffi::Error TimestampImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer dep, ffi::Result<ffi::AnyBuffer> a_out,
                          ffi::Result<ffi::Buffer<ffi::U64>> stamp) {
-  return Launched(LaunchTimestamp(stamp->typed_data(), stream), "timestamp");
+  return Launched(LaunchStamp(stamp->typed_data(), stream), "timestamp");
 }
 
 }  // namespace
