@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call verifies a commit on the lent GPU machine (docs/cuda.md, "Verification"):
 #   bash tests/gpu/device_run.sh [STAGES] [bench args...]
-# STAGES: comma-separated from build, cpu, gpu, demo, bench, ep1, proxy, overlap, nodes, xoverlap, stagediag, ipc,
+# STAGES: comma-separated from build, cpu, gpu, demo, bench, ep1, proxy, overlap, nodes, xoverlap, mb, stagediag, ipc,
 # hmem (default: build,cpu,gpu,demo). hmem comes last: it rebuilds against libfabric 2.6 with CUDA (see below). The
 # full build uses the libfabric headers carried in third_party_headers/libfabric (the image has the runtime only). Logs
 # go to $OUT (or ./gpu_out); the last lines printed are "SUMMARY ..." lines, one per stage. NVLink multicast stays off.
@@ -122,6 +122,16 @@ if has xoverlap; then  # overlap across nodes (issue 25): two processes under MP
       python3 -m jax_moe.bench overlap --processes 2 --ranks-per-node 1 --provider "${NODES_PROVIDERS%% *}" \
       --iters 50 --json "$OUT/xoverlap_${memory}.json"
   done
+  mps_stop
+fi
+if has mb; then  # two micro-batches in one layer (issue 26, rounds_in_flight = 2): EP1, then two processes under MPS
+  # as one node (CUDA IPC) and as two nodes (the host proxy, $MB_PROVIDER)
+  stage mb_ep1 200 python3 -m jax_moe.bench overlap --micro-batches --iters 100 --json "$OUT/mb_ep1.json"
+  mps_start
+  stage mb_ipc 240 env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 python3 -m jax_moe.bench overlap --micro-batches \
+    --iters 50 --processes 2 --ranks-per-node 2 --json "$OUT/mb_ipc.json"
+  stage mb_nodes 240 env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 python3 -m jax_moe.bench overlap --micro-batches \
+    --iters 50 --processes 2 --ranks-per-node 1 --provider "${MB_PROVIDER:-shm}" --json "$OUT/mb_nodes.json"
   mps_stop
 fi
 if has stagediag; then  # fabric_memory="staged" under MPS (docs/cuda.md, "Open: staged under MPS"): the decode
