@@ -450,6 +450,11 @@ void DeviceFabric::Fill(KernelArgs& a) const {
 
 std::string DeviceFabric::Error() const { return pump_ ? pump_->error() : std::string(); }
 
+uint64_t DeviceFabric::Rung(size_t link) const {
+  const uint64_t* bell = reinterpret_cast<const uint64_t*>(streams_.at(link).words->host());
+  return __atomic_load_n(bell + proxy::kRung, __ATOMIC_ACQUIRE);  // the GPU writes it over PCIe
+}
+
 uint64_t DeviceFabric::BytesAllocated() const {
   uint64_t total = 0;
   for (const Stream& st : streams_) total += st.words->size() + st.send.allocated() + st.recv.allocated();

@@ -102,6 +102,11 @@ class DeviceFabric {
   bool staged() const { return stage_ != nullptr; }
   std::string MemoryName() const;
   const std::string& fallback_reason() const { return fallback_; }
+  // Whether the proxy thread calls CUDA (the staged copies, GPUDirect flushes): the handlers then bound how far the
+  // host runs ahead of the GPU (cuda/run_ahead.h).
+  bool proxy_calls_cuda() const { return stage_ != nullptr || (on_gpu_ && visibility_ == RdmaVisibility::kFlush); }
+  // The last round of stream `link` (0 dispatch, 1 + channel) whose bell this GPU rang; 0 before the first.
+  uint64_t Rung(size_t link) const;
   // What the proxy does so that NIC writes into GPU memory are visible to the kernels (areas on the GPU only).
   std::string VisibilityName() const;
   // Per round of a stream (0 dispatch, 1 and 2 the combine channels): when the pump saw the bell, posted, flagged

@@ -14,6 +14,7 @@
 #include "cuda/device_comm.h"
 #include "cuda/device_error.h"
 #include "cuda/launch.h"
+#include "cuda/run_ahead.h"
 #include "ffi/ffi_util.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -236,9 +237,13 @@ template <bool kGraph, typename LaunchFn>
 ffi::Error Send(const DeviceComm& dev, int stream, const char* op, LaunchFn launch) {
   if constexpr (!kGraph) {
     if (auto e = CheckStreamFree(dev, stream, op); e.failure()) return e;
+    HoldRunAhead(dev, stream);
   }
   ffi::Error launched = Launched(launch(), op);
-  if (!kGraph && launched.success()) dev.open_rounds[stream].fetch_add(1, std::memory_order_relaxed);
+  if (!kGraph && launched.success()) {
+    dev.open_rounds[stream].fetch_add(1, std::memory_order_relaxed);
+    CountSend(dev, stream);
+  }
   return launched;
 }
 
@@ -259,10 +264,12 @@ template <bool kGraph, typename LaunchFn>
 ffi::Error OneShot(const DeviceComm& dev, int stream, const char* op, LaunchFn launch) {
   if constexpr (!kGraph) {
     if (auto e = CheckStreamEmpty(dev, stream, op); e.failure()) return e;
+    HoldRunAhead(dev, stream);
   }
   const DeviceReport earlier = TakeError(dev);
   bool send_launched = false;
   ffi::Error launched = Launched(launch(&send_launched), op);
+  if (!kGraph && (launched.success() || send_launched)) CountSend(dev, stream);
   if (!kGraph && launched.failure() && send_launched) dev.open_rounds[stream].fetch_add(1, std::memory_order_relaxed);
   return earlier.empty() ? std::move(launched) : ToFfi(earlier);
 }
