@@ -55,6 +55,13 @@ def test_model_bench_reproduces_pplx_and_scales_with_the_bytes(tmp_path):
             assert r["jax_moe_reduced"]["total_us"] <= r["jax_moe"]["combine"]["total_us"]
             # each token once per rank: never more dispatch bytes than pplx-garden's one row per (token, expert)
             assert r["jax_moe"]["dispatch"]["bytes_off_node"] <= r["pplx"]["dispatch"]["bytes_off_node"]
+            # the areas' memory: GPU memory costs the wire alone, staging adds copies, host memory PCIe reads; one
+            # node never touches them
+            by = r["jax_moe_by_memory"]
+            for op in ("dispatch", "combine"):
+                d, st, h = (by[m][op]["total_us"] for m in ("device", "staged", "host"))
+                assert d == r["jax_moe_reduced"]["total_us"] if op == "combine" else d == r["jax_moe"][op]["total_us"]
+                assert (d == st == h) if r["ep"] == 8 else (d < st < h), (name, r["ep"], op, d, st, h)
 
 
 @pytest.mark.multiprocess

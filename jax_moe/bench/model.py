@@ -62,6 +62,30 @@ class Costs:
 
 
 @dataclass(frozen=True)
+class Memory:
+    """Where jax_moe's fabric areas live, and what an off-node byte then costs beyond the wire: GB/s of the step before
+    the post (out) and of the step after the arrival (in), per operation; 0 = free. Serial with the wire: a round is
+    posted once its whole region is out, and flagged once it is all in. Measured on one H200 shared by two processes
+    under MPS (half the SMs each, one PCIe link for both), decode, shm, 2026-12-03 (docs/benchmarks.md): a GPU of
+    one's own may do better, so these rows bound the path as built from above."""
+    name: str
+    dispatch: tuple = (0.0, 0.0)
+    combine: tuple = (0.0, 0.0)
+
+
+MEMORIES = {
+    # The NIC reads and writes HBM; the kernels read HBM at 1.8 TB/s: nothing beyond the wire (not run: no RDMA NIC).
+    "device": Memory("device"),
+    # A copy engine HBM -> pinned host before the post (bell seen -> posted: 32.4 us for 0.94 MB, 54.5 us for
+    # 1.82 MB) and pinned host -> HBM after the arrival (post -> flag less the engine's one-way: 37 and 28 us).
+    "staged": Memory("staged", dispatch=(29.0, 25.0), combine=(33.0, 66.0)),
+    # The kernels write and read pinned host memory over PCIe: dispatch_send 59 us beyond EP1 for 0.94 MB,
+    # dispatch_recv reads at 2.4 GB/s; combine_send 46 us beyond EP1 for 1.82 MB, combine_recv reads and sums at 14.
+    "host": Memory("host", dispatch=(16.0, 2.4), combine=(40.0, 14.0)),
+}
+
+
+@dataclass(frozen=True)
 class Shape:
     tokens: int = 128
     hidden: int = 7168
@@ -95,24 +119,26 @@ def traffic(design: str, n: int, s: Shape, reduce: bool = False) -> dict:
 
 
 def op_time(rows_off: float, rows_on: float, row: int, peers: int, nets: int, f: Fabric, c: Costs,
-            route: bool) -> dict:
+            route: bool, staging: tuple = (0.0, 0.0)) -> dict:
     b_off, b_on = rows_off * row, rows_on * row
     t_nic = b_off / (f.nic_gbps * 1e3)  # bytes / (GB/s) in us
     t_nvl = b_on / (c.nvlink_gbps * 1e3)
+    t_stage = sum(b_off / (g * 1e3) for g in staging if g > 0)  # before the post and after the arrival (Memory)
     fixed = 2 * c.kernel_us
     if peers:
         fixed += c.doorbell_us + c.flag_us + f.stage_us + c.proxy_post_us + peers * nets * f.msg_us
         fixed += f.route_us if route else 0.0
     return {"bytes_off_node": b_off, "bytes_on_node": b_on, "transfer_us": max(t_nic, t_nvl), "fixed_us": fixed,
-            "total_us": fixed + max(t_nic, t_nvl)}
+            "staging_us": t_stage, "total_us": fixed + max(t_nic + t_stage, t_nvl)}
 
 
-def model(design: str, n: int, s: Shape, f: Fabric, c: Costs, nets: int, reduce: bool = False) -> dict:
+def model(design: str, n: int, s: Shape, f: Fabric, c: Costs, nets: int, reduce: bool = False,
+          memory: Memory = MEMORIES["device"]) -> dict:
     tr = traffic(design, n, s, reduce)
     peers = max(0, n - s.per_node)
-    return {"ep": n, "nodes": math.ceil(n / s.per_node), "design": design,
-            "dispatch": op_time(*tr["dispatch"], peers, nets, f, c, route=design == "pplx"),
-            "combine": op_time(*tr["combine"], peers, nets, f, c, route=False)}
+    return {"ep": n, "nodes": math.ceil(n / s.per_node), "design": design, "memory": memory.name,
+            "dispatch": op_time(*tr["dispatch"], peers, nets, f, c, route=design == "pplx", staging=memory.dispatch),
+            "combine": op_time(*tr["combine"], peers, nets, f, c, route=False, staging=memory.combine)}
 
 
 def calibrate(f: Fabric, s: Shape, c: Costs, published: dict) -> Fabric:
@@ -189,6 +215,16 @@ def main(argv: list[str]) -> int:
                   f"{p['combine']['total_us']:>13.1f}{refs[2]:>10}{refs[3]:>6} | {j['dispatch']['total_us']:>13.1f}"
                   f"{j['combine']['total_us']:>9.1f}{jr['combine']['total_us']:>9.1f}"
                   f"{j['dispatch']['bytes_off_node'] / 1e6:>6.2f}/{j['combine']['bytes_off_node'] / 1e6:.2f}")
+        print(f"jax_moe by where its areas live (reduced combine; {', '.join(MEMORIES)}): dispatch / combine us")
+        for r in rows:
+            n = r["ep"]
+            nets = args.nets or f.nets
+            mine = replace(f, nic_gbps=f.nic_gbps * nets / f.nets)
+            r["jax_moe_by_memory"] = {m: model("jax_moe", n, s, mine, ours, nets, reduce=True, memory=mem)
+                                      for m, mem in MEMORIES.items()}
+            cells = "".join(f"{m:>8} {v['dispatch']['total_us']:7.1f} / {v['combine']['total_us']:7.1f}"
+                            for m, v in r["jax_moe_by_memory"].items())
+            print(f"{n:>4}{r['pplx']['nodes']:>6} |{cells}")
         errs = [abs(e) for r in rows for e in r["error"] if e is not None]
         print(f"largest error against the published table: {100 * max(errs):.0f}% (bound: 25%)")
         out["fabrics"][name] = {"fabric": asdict(f), "rows": rows, "max_error": max(errs)}
