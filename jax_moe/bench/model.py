@@ -79,8 +79,9 @@ MEMORIES = {
     # A copy engine HBM -> pinned host before the post (bell seen -> posted: 32.4 us for 0.94 MB, 54.5 us for
     # 1.82 MB) and pinned host -> HBM after the arrival (post -> flag less the engine's one-way: 37 and 28 us).
     "staged": Memory("staged", dispatch=(29.0, 25.0), combine=(33.0, 66.0)),
-    # The kernels write and read pinned host memory over PCIe: dispatch_send 59 us beyond EP1 for 0.94 MB,
-    # dispatch_recv reads at 2.4 GB/s; combine_send 46 us beyond EP1 for 1.82 MB, combine_recv reads and sums at 14.
+    # The kernels write and read pinned host memory over PCIe: dispatch_send 59 us beyond EP1 for 0.94 MB, combine_send
+    # 47 us beyond EP1 for 1.82 MB (the evening's call); dispatch_recv reads at 2.4 GB/s, combine_recv reads and sums
+    # at 14 (the afternoon's trace, docs/scale.md).
     "host": Memory("host", dispatch=(16.0, 2.4), combine=(40.0, 14.0)),
 }
 
