@@ -65,6 +65,16 @@ def test_two_processes_as_two_nodes(provider, memory, rng):
                  **_staged_env(memory))
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("memory", ["host", "staged"])
+def test_programs_enqueued_far_ahead_across_nodes(memory, rng):
+    """Eight programs of 25 round trips each, enqueued without waiting (a training loop's shape): the host runs far
+    ahead of the GPU. With "staged" the proxy's copies then waited for room in the launch queue, behind the receive
+    kernel that waited for them, until the plain handlers held the host a few rounds ahead (cuda/run_ahead.h)."""
+    _run_workers(2, 1, "shm", rng, JAX_MOE_FABRIC_MEMORY=memory, MP_QUEUE_AHEAD="8,25",
+                 **_expect_on_gpu(memory, "shm"), **_staged_env(memory))
+
+
 def _staged_env(memory: str) -> dict[str, str]:
     """"staged" runs only with CUDA's eager module loading (src/cuda/stage_copies.h says why)."""
     return {"CUDA_MODULE_LOADING": "EAGER"} if memory == "staged" else {}

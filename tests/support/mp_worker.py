@@ -38,7 +38,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_moe  # noqa: E402
 from jax_moe import multihost  # noqa: E402
 from support.grads import check_against, check_grads, grad_problem, moe_loss_fn  # noqa: E402
-from support.helpers import check_roundtrip, random_routing, random_tokens, roundtrip  # noqa: E402
+from support.helpers import (check_roundtrip, expert_fn, random_routing, random_tokens, received,  # noqa: E402
+                             roundtrip)
 from support.remat import dense_grads, remat_grad_fn, remat_problem  # noqa: E402
 from support.program_shapes import run_all  # noqa: E402
 
@@ -69,6 +70,35 @@ def check_transpose(comm, problem, n: int, t: int, e: int) -> None:
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2)
 
 
+def check_queue_ahead(comm, rng, n: int, programs: int, unroll: int) -> None:
+    """`programs` programs of `unroll` round trips each, enqueued back to back without waiting, as a training loop or
+    the benchmark does: the host runs hundreds of launches ahead of the GPU (with "staged" across nodes this stopped
+    the proxy's copies, docs/cuda.md "Found and mended"). Every round trip of every program against the oracle."""
+    cfg = comm.cfg
+    t, r, e = cfg.max_tokens, cfg.experts_per_token, cfg.num_experts
+    x, _ = random_tokens(rng, n * t, cfg.hidden, False)
+    idx = random_routing(rng, n, t, r, e, mask=0.2, skew=True)
+    w = rng.random((n * t, r)).astype(np.float32)
+
+    def body(x, idx, w):
+        outs = []
+        for _ in range(unroll):
+            d = comm.dispatch(x, idx, topk_weights=w)
+            outs.append(comm.combine(expert_fn(d.expert_x, d.expert_counts, comm), None, d))
+        return (*received(d), d.expert_counts, jnp.stack(outs, axis=1))
+
+    spec = P("ep")
+    f = jax.jit(jax.shard_map(body, mesh=comm.mesh, in_specs=(spec, spec, spec), out_specs=spec))
+    sharding = jax.sharding.NamedSharding(comm.mesh, spec)
+    args = [multihost.place(v, sharding) for v in (x, idx, w)]
+    results = [f(*args) for _ in range(programs)]  # no wait between them
+    for res in results:
+        expert_x, expert_scale, counts, outs = (gather(v) for v in res)
+        for i in range(unroll):
+            check_roundtrip(comm, n, x, idx, w, None, (expert_x, expert_scale, counts, outs[:, i]))
+    print(f"QUEUE-AHEAD process {jax.process_index()}: {programs} programs of {unroll} round trips", flush=True)
+
+
 def check_fabric_memory(comm) -> None:
     """MP_EXPECT_FABRIC_ON_GPU=1/0: the cuda areas of remote ranks must be in GPU memory / host memory (unset: any);
     prints where they are either way."""
@@ -95,6 +125,13 @@ def main() -> None:
     rng = np.random.default_rng(int(seed))
     e, r, hidden, t = 2 * n, 3, 128, 5
     comms = []  # Communicators are collective: keep them until every process is done with them
+    ahead = os.environ.get("MP_QUEUE_AHEAD")  # "programs,unroll": only check_queue_ahead
+    if ahead:
+        comm = jax_moe.Communicator(jax_moe.MoEConfig(e, r, hidden, t), mesh, "ep", backend=backend)
+        check_fabric_memory(comm)
+        check_queue_ahead(comm, rng, n, *(int(v) for v in ahead.split(",")))
+        print(f"OK process {proc}/{nproc} devices={n} backend={comm.backend_name}", flush=True)
+        return
     for fp8 in (False, True):
         cfg = jax_moe.MoEConfig(e, r, hidden, t, dispatch_dtype=jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
         refused = os.environ.get("MP_EXPECT_REFUSAL")  # a pattern: the Communicator must be refused with it
