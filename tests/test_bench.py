@@ -100,6 +100,10 @@ def test_overlap_bench_runs_end_to_end_on_cpu(tmp_path):
     mb = rows.pop(0)
     assert mb["comm_us"] > 0 and mb["sequential_us"] > 0 and mb["two_us"] > 0 and mb["expert_width"] % 128 == 0
     assert mb["hidden_fraction"] == pytest.approx((mb["sequential_us"] - mb["two_us"]) / (mb["comm_us"] / 2))
+    # "cpu" holds two rounds per direction: the schedule with both micro-batches' rounds open ran too
+    assert mb["both_open_us"] > 0
+    assert mb["both_open_hidden_fraction"] == pytest.approx((mb["sequential_us"] - mb["both_open_us"]) /
+                                                            (mb["comm_us"] / 2))
     for r in rows:
         assert r["comm_us"] > 0 and r["gemm_us"] > 0 and r["gemm_f"] % 128 == 0
         assert r["min_step_us"] >= 0 and 0 < r["gemm_in_overlap_us"] and r["overlap_us"] > 0

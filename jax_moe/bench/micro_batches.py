@@ -7,8 +7,10 @@ slowest rank per iteration, p50):
 - comm:       dispatch then combine of A and of B, no expert work;
 - sequential: A then B, each dispatch -> expert (two GEMMs over the received rows) -> combine;
 - two:        dispatch A; send B's dispatch; A's expert; receive B; send A's combine; B's expert; receive A's
-              combine; combine B. Each direction has one round open at a time, so any backend runs it (backend
-              "cuda" holds two).
+              combine; combine B. Each direction has one round open at a time, so any backend runs it;
+- both open:  send A's and B's dispatch; receive A; A's expert; send A's combine; receive B; B's expert; send B's
+              combine; receive A's combine, then B's. Two rounds of each direction open at once (DualPipe's shape):
+              where the backend holds two (`rounds_in_flight`: "cuda", "cpu", and "xla", which holds no buffers).
 Hidden fraction = (sequential - two) / (what could hide: B's dispatch and A's combine, half of comm).
 """
 from __future__ import annotations
@@ -84,22 +86,51 @@ def bodies(comm, stamp, width: int):
         out, t1 = stamp(ob, oa)
         return jnp.stack([t0, t1])[None]
 
-    return comm_body, sequential_body, two_body
+    def both_open_body(x, xs, idx, w):
+        x, t0 = stamp(x, x)
+        (ax, as_, ai, aw), (bx, bs, bi, bw) = halves(x, xs, idx, w)
+        ha = comm.dispatch_send(ax, ai, x_scale=as_, topk_weights=aw)
+        hb = comm.dispatch_send(bx, bi, x_scale=bs, topk_weights=bw)
+        da = comm.dispatch_recv(ha)
+        ya = expert(da.expert_x, ax)  # B's rows travel meanwhile
+        ca = comm.combine_send(ya, da)
+        # B's receive waits for A's expert, and A's combine receive for B's expert (stamps order them).
+        db = comm.dispatch_recv(DispatchHandle(hb._x, hb._x_scale, hb._topk_idx,
+                                               _with_first_leaf(hb._handle, lambda v: stamp(v, ya)[0]),
+                                               hb._comm_id, hb._topk_weights))
+        yb = expert(db.expert_x, bx)  # A's combined rows travel meanwhile
+        cb = comm.combine_send(yb, db)
+        oa = comm.combine_recv(CombineHandle(ca._expert_y, ca._dispatched,
+                                             _with_first_leaf(ca._handle, lambda v: stamp(v, yb)[0]), ca._comm_id,
+                                             ca._reduced))
+        ob = comm.combine_recv(cb)
+        out, t1 = stamp(ob, oa)
+        return jnp.stack([t0, t1])[None]
+
+    return comm_body, sequential_body, two_body, both_open_body
 
 
 def measure(comm, mesh, inputs, iters: int, warmup: int, gpu: bool, run: Callable, stamp: Callable) -> dict:
     """The three programs' p50s and the hidden fraction; the experts' width makes one micro-batch's expert about as
     long as its share of the communication (what it has to hide)."""
-    comm_body, _, _ = bodies(comm, stamp, 128)
+    comm_body = bodies(comm, stamp, 128)[0]
     t_comm = float(np.median(run(comm_body, mesh, inputs, iters, warmup, gpu)[:, 0]))
     probe = 1024
     seq_probe = float(np.median(run(bodies(comm, stamp, probe)[1], mesh, inputs, max(5, iters // 4), warmup,
                                     gpu)[:, 0]))
     expert_probe = max(seq_probe - t_comm, 1e-3) / 2  # one micro-batch's expert at the probe width
     width = int(np.clip(round(probe * (t_comm / 4) / expert_probe / 128) * 128, 128, 1 << 16))
-    _, sequential_body, two_body = bodies(comm, stamp, width)
+    _, sequential_body, two_body, both_open_body = bodies(comm, stamp, width)
     t_seq = float(np.median(run(sequential_body, mesh, inputs, iters, warmup, gpu)[:, 0]))
     t_two = float(np.median(run(two_body, mesh, inputs, iters, warmup, gpu)[:, 0]))
+    t_both = None
+    held = comm.backend.rounds_in_flight
+    if held is None or held >= 2:  # None: the backend holds no per-round buffers (xla)
+        t_both = float(np.median(run(both_open_body, mesh, inputs, iters, warmup, gpu)[:, 0]))
     hideable = t_comm / 2  # B's dispatch and A's combine
-    return {"comm_us": t_comm, "sequential_us": t_seq, "two_us": t_two, "expert_width": width,
-            "hidden_fraction": (t_seq - t_two) / hideable if hideable > 0 else None}
+
+    def hidden(t):
+        return None if t is None or hideable <= 0 else (t_seq - t) / hideable
+
+    return {"comm_us": t_comm, "sequential_us": t_seq, "two_us": t_two, "both_open_us": t_both,
+            "expert_width": width, "hidden_fraction": hidden(t_two), "both_open_hidden_fraction": hidden(t_both)}

@@ -230,6 +230,9 @@ def main(argv) -> int:
                       f"{mb['sequential_us']:.1f}, two in flight {mb['two_us']:.1f} us: "
                       f"{100 * mb['hidden_fraction']:.0f}% of B's dispatch and A's combine hidden "
                       f"(experts' width {mb['expert_width']})", flush=True)
+                if mb["both_open_us"] is not None:
+                    print(f"{shape:<8}{backend:<8}two micro-batches, both rounds open: {mb['both_open_us']:.1f} us: "
+                          f"{100 * mb['both_open_hidden_fraction']:.0f}% hidden", flush=True)
             for op in ("dispatch", "combine"):
                 res = {"shape": shape, "backend": backend, "ranks": n,
                        **measure(comm, mesh, inputs, op, iters, args.warmup, gpu), **sms_in_flight(comm, op, t)}
