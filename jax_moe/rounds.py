@@ -54,13 +54,18 @@ def _traces_here() -> list[Any]:
     return out
 
 
+def _tables(comm: CommView, direction: str) -> list[dict]:
+    """The open rounds of `direction` recorded in this traced function, then in each one it is nested in."""
+    return [_open.get(t, {}).get((comm.id, direction), {}) for t in _traces_here()]
+
+
 def check_open(comm: CommView, direction: str, op: str, one_shot: bool = False) -> None:
     """Before a send half of `direction` ("dispatch" or "combine") is bound: refuses it if the backend's buffers for
     that direction are all held by rounds open here: opened in this traced function or in the ones it is nested in
     (a nested jit, a cond branch, a loop body runs while its enclosing function's rounds are open) and not received.
     one_shot (`dispatch`, `combine`): on a backend that receives in order, also while any round is open here."""
     limit = comm.backend.rounds_in_flight
-    tables = [_open.get(t, {}).get((comm.id, direction), {}) for t in _traces_here()]
+    tables = _tables(comm, direction)
     held = [what for table in tables for _, what in table.values()]
     if one_shot and held and getattr(comm.backend, "receives_in_order", False):
         raise RuntimeError(
@@ -92,7 +97,7 @@ def opened(comm: CommView, direction: str, handle: Any, op: str) -> None:
 def _check_oldest(comm: CommView, direction: str, op: str, table: dict, key: Any) -> None:
     """Refuses receiving `key`'s round (opened in `table`) while an older round of the direction is open: one opened
     before it in the same traced function, or in a function this one is nested in."""
-    ancestors = [_open.get(t, {}).get((comm.id, direction), {}) for t in _traces_here()[1:]]
+    ancestors = _tables(comm, direction)[1:]
     older = [what for t in ancestors if t is not table for _, what in t.values()]
     for ref, what in table.values():
         if ref() is key:
@@ -127,8 +132,7 @@ def closed(comm: CommView, direction: str, handle: Any, op: str) -> None:
     # nearest enclosing trace that has one, else (a loop body's trace is not always chained to the function around
     # the loop) in any live trace. A handle both branches of a cond receive closes two rounds: an under-count, which
     # the backend's run-time check still catches.
-    ancestors = [_open.get(trace, {}).get((comm.id, direction)) for trace in _traces_here()[1:]]
-    for table in ancestors + tables:
+    for table in _tables(comm, direction)[1:] + tables:
         if table:
             del table[next(iter(table))]
             return

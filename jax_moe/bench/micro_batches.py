@@ -11,7 +11,7 @@ slowest rank per iteration, p50):
 - both open:  send A's and B's dispatch; receive A; A's expert; send A's combine; receive B; B's expert; send B's
               combine; receive A's combine, then B's. Two rounds of each direction open at once (DualPipe's shape):
               where the backend holds two (`rounds_in_flight`: "cuda", "cpu", and "xla", which holds no buffers).
-Hidden fraction = (sequential - two) / (what could hide: B's dispatch and A's combine, half of comm).
+Hidden fraction = (sequential - two, or - both open) / (what could hide: B's dispatch and A's combine, half of comm).
 """
 from __future__ import annotations
 
@@ -32,8 +32,16 @@ def _with_first_leaf(handle, fn: Callable):
 
 
 def bodies(comm, stamp, width: int):
-    """The per-rank bodies (comm, sequential, two): each returns its start and end stamps. width: the experts' inner
-    width F (two GEMMs [rows, hidden] x [hidden, F] x [F, hidden])."""
+    """The per-rank bodies (comm, sequential, two, both open): each returns its start and end stamps. width: the
+    experts' inner width F (two GEMMs [rows, hidden] x [hidden, F] x [F, hidden])."""
+
+    def after(h, dep: jax.Array):
+        """Send handle `h` (a DispatchHandle or CombineHandle) whose receive waits for `dep`: a stamp orders them (XLA
+        drops optimization barriers before it schedules)."""
+        inner = _with_first_leaf(h._handle, lambda v: stamp(v, dep)[0])
+        if isinstance(h, DispatchHandle):
+            return DispatchHandle(h._x, h._x_scale, h._topk_idx, inner, h._comm_id, h._topk_weights)
+        return CombineHandle(h._expert_y, h._dispatched, inner, h._comm_id, h._reduced)
 
     def expert(rows: jax.Array, dep: jax.Array) -> jax.Array:
         h = rows.astype(jnp.bfloat16)
@@ -69,19 +77,14 @@ def bodies(comm, stamp, width: int):
         (ax, as_, ai, aw), (bx, bs, bi, bw) = halves(x, xs, idx, w)
         da = comm.dispatch(ax, ai, x_scale=as_, topk_weights=aw)
         hb = comm.dispatch_send(bx, bi, x_scale=bs, topk_weights=bw)
-        # A's expert starts once B's send is out, and B's receive waits for it (stamps order them: XLA drops
-        # optimization barriers before it schedules).
+        # A's expert starts once B's send is out, and B's receive waits for it (stamps order them).
         rows_a, _ = stamp(da.expert_x, jax.tree_util.tree_leaves(hb._handle)[0])
         ya = expert(rows_a, ax)
-        db = comm.dispatch_recv(DispatchHandle(hb._x, hb._x_scale, hb._topk_idx,
-                                               _with_first_leaf(hb._handle, lambda v: stamp(v, ya)[0]),
-                                               hb._comm_id, hb._topk_weights))
+        db = comm.dispatch_recv(after(hb, ya))
         ca = comm.combine_send(ya, da)
         rows_b, _ = stamp(db.expert_x, jax.tree_util.tree_leaves(ca._handle)[0])
         yb = expert(rows_b, bx)
-        oa = comm.combine_recv(CombineHandle(ca._expert_y, ca._dispatched,
-                                             _with_first_leaf(ca._handle, lambda v: stamp(v, yb)[0]), ca._comm_id,
-                                             ca._reduced))
+        oa = comm.combine_recv(after(ca, yb))
         ob = comm.combine(yb, None, db)
         out, t1 = stamp(ob, oa)
         return jnp.stack([t0, t1])[None]
@@ -94,15 +97,10 @@ def bodies(comm, stamp, width: int):
         da = comm.dispatch_recv(ha)
         ya = expert(da.expert_x, ax)  # B's rows travel meanwhile
         ca = comm.combine_send(ya, da)
-        # B's receive waits for A's expert, and A's combine receive for B's expert (stamps order them).
-        db = comm.dispatch_recv(DispatchHandle(hb._x, hb._x_scale, hb._topk_idx,
-                                               _with_first_leaf(hb._handle, lambda v: stamp(v, ya)[0]),
-                                               hb._comm_id, hb._topk_weights))
+        db = comm.dispatch_recv(after(hb, ya))  # B's receive waits for A's expert
         yb = expert(db.expert_x, bx)  # A's combined rows travel meanwhile
         cb = comm.combine_send(yb, db)
-        oa = comm.combine_recv(CombineHandle(ca._expert_y, ca._dispatched,
-                                             _with_first_leaf(ca._handle, lambda v: stamp(v, yb)[0]), ca._comm_id,
-                                             ca._reduced))
+        oa = comm.combine_recv(after(ca, yb))  # A's combine receive waits for B's expert
         ob = comm.combine_recv(cb)
         out, t1 = stamp(ob, oa)
         return jnp.stack([t0, t1])[None]
@@ -111,7 +109,7 @@ def bodies(comm, stamp, width: int):
 
 
 def measure(comm, mesh, inputs, iters: int, warmup: int, gpu: bool, run: Callable, stamp: Callable) -> dict:
-    """The three programs' p50s and the hidden fraction; the experts' width makes one micro-batch's expert about as
+    """The programs' p50s and their hidden fractions; the experts' width makes one micro-batch's expert about as
     long as its share of the communication (what it has to hide)."""
     comm_body = bodies(comm, stamp, 128)[0]
     t_comm = float(np.median(run(comm_body, mesh, inputs, iters, warmup, gpu)[:, 0]))
