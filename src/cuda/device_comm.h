@@ -58,7 +58,7 @@ struct DeviceComm {
   // Rounds launched and not yet received, per round stream (dispatch, combine channel 0, 1); the handlers of one
   // device run in program order on one host thread at a time.
   mutable std::atomic<int64_t> open_rounds[kRoundStreams]{};
-  // Sends launched by the plain handlers per round stream (cuda/run_ahead.h).
+  // Sends launched by the plain handlers per round stream: the round each one rings (cuda/run_ahead.h).
   mutable std::atomic<uint64_t> sends_launched[kRoundStreams]{};
 };
 

@@ -4,25 +4,30 @@
 // receive kernel near its head that waits for exactly those calls: the proxy stops, the kernel spins until its
 // timeout. Measured on one H200, two processes as two nodes, staged: 20 iterations of the decode benchmark in one
 // program passed, 100 (four programs enqueued back to back) stopped in the second. So the plain handlers hold a send
-// back until the GPU has rung the bell of the round kRunAhead before it; the command-buffer handlers are not called
-// per execution and are not held.
+// back until the GPU has rung the bell of the send kRunAhead sends before it on the same GPU, whichever Communicator
+// and stream made it (the launch queue is the device's: one Communicator per layer must not multiply the depth). The
+// command-buffer handlers are not held.
 #pragma once
 #include <cstdint>
+#include <memory>
 
 #include "cuda/device_comm.h"
+#include "cuda/device_error.h"
 
 namespace jax_moe::cuda {
 
-// Rounds of one stream that may be launched beyond the last one this GPU has rung (a few rounds: a full queue is
-// hundreds of launches, one round a dozen).
-constexpr uint64_t kRunAhead = 4;
+// Sends of staged Communicators that one GPU may have launched beyond the last one it rang (one Communicator
+// alternating dispatch and combine: four iterations; one per layer: four layers' rounds, with their compute).
+constexpr size_t kRunAhead = 8;
 
-// Before a send on round stream `stream` (plain handlers): waits until this GPU rang round (sends launched + 1 -
-// kRunAhead), where the proxy calls CUDA; returns at once otherwise. Bounded by the Communicator's timeout, and ends
-// early once the device or the pump reports an error (the launch then reports it, or its kernel times out).
-void HoldRunAhead(const DeviceComm& dev, int stream);
+// Before a send of `dev` (plain handlers): where dev's proxy calls CUDA, waits until the
+// GPU rang the oldest of its last kRunAhead recorded sends (any Communicator of the GPU); returns at once otherwise.
+// Each wait is bounded by that Communicator's timeout and ends early on its device or pump error. Returns dev's own
+// sticky report, if any: the caller then launches nothing (as Device() would have refused).
+DeviceReport HoldRunAhead(const std::shared_ptr<const DeviceComm>& dev);
 
-// Counts a send launched on `stream` (what HoldRunAhead compares the GPU's bell with).
-void CountSend(const DeviceComm& dev, int stream);
+// Records a send launched on `stream` of `dev` (what HoldRunAhead waits for later); a no-op where dev's proxy makes
+// no CUDA call.
+void CountSend(const std::shared_ptr<const DeviceComm>& dev, int stream);
 
 }  // namespace jax_moe::cuda

@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include <memory>
 #include <string>
 
 #include "cuda/device_comm.h"
@@ -234,15 +235,16 @@ ffi::Error CheckCombineRecv(const KernelArgs& a, int64_t channel, int64_t mode, 
 
 // A send half: refused while its stream holds kRoundSlots rounds never received; counts the round it opens.
 template <bool kGraph, typename LaunchFn>
-ffi::Error Send(const DeviceComm& dev, int stream, const char* op, LaunchFn launch) {
+ffi::Error Send(const std::shared_ptr<const DeviceComm>& held, int stream, const char* op, LaunchFn launch) {
+  const DeviceComm& dev = *held;
   if constexpr (!kGraph) {
     if (auto e = CheckStreamFree(dev, stream, op); e.failure()) return e;
-    HoldRunAhead(dev, stream);
+    if (DeviceReport failed = HoldRunAhead(held); !failed.empty()) return ToFfi(failed);
   }
   ffi::Error launched = Launched(launch(), op);
   if (!kGraph && launched.success()) {
     dev.open_rounds[stream].fetch_add(1, std::memory_order_relaxed);
-    CountSend(dev, stream);
+    CountSend(held, stream);
   }
   return launched;
 }
@@ -261,15 +263,16 @@ ffi::Error Recv(const DeviceComm& dev, int stream, const char* op, LaunchFn laun
 // unless the send was launched and the receive then failed to launch: that round stays open, so the next send on
 // this stream is refused at once instead of waiting for acks that never come.
 template <bool kGraph, typename LaunchFn>
-ffi::Error OneShot(const DeviceComm& dev, int stream, const char* op, LaunchFn launch) {
+ffi::Error OneShot(const std::shared_ptr<const DeviceComm>& held, int stream, const char* op, LaunchFn launch) {
+  const DeviceComm& dev = *held;
   if constexpr (!kGraph) {
     if (auto e = CheckStreamEmpty(dev, stream, op); e.failure()) return e;
-    HoldRunAhead(dev, stream);
+    if (DeviceReport failed = HoldRunAhead(held); !failed.empty()) return ToFfi(failed);
   }
   const DeviceReport earlier = TakeError(dev);
   bool send_launched = false;
   ffi::Error launched = Launched(launch(&send_launched), op);
-  if (!kGraph && (launched.success() || send_launched)) CountSend(dev, stream);
+  if (!kGraph && (launched.success() || send_launched)) CountSend(held, stream);
   if (!kGraph && launched.failure() && send_launched) dev.open_rounds[stream].fetch_add(1, std::memory_order_relaxed);
   return earlier.empty() ? std::move(launched) : ToFfi(earlier);
 }
@@ -284,7 +287,7 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_i
   if (auto e = CheckDispatchSend(dev->args, has_scale, has_weights, x, x_scale, topk_weights, topk_idx, ticket, io);
       e.failure())
     return e;
-  return Send<kGraph>(*dev, 0, "dispatch_send", [&] { return Launch(*dev, io, stream); });
+  return Send<kGraph>(dev, 0, "dispatch_send", [&] { return Launch(*dev, io, stream); });
 }
 
 template <bool kGraph>
@@ -313,7 +316,7 @@ ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id
   if (auto e = Device(comm_id, ordinal, dev); e.failure()) return e;
   CombineSendIo io;
   if (auto e = CheckCombineSend(dev->args, channel, mode, expert_y, route, ticket, io); e.failure()) return e;
-  return Send<kGraph>(*dev, 1 + io.channel, "combine_send", [&] { return Launch(*dev, io, stream); });
+  return Send<kGraph>(dev, 1 + io.channel, "combine_send", [&] { return Launch(*dev, io, stream); });
 }
 
 template <bool kGraph>
@@ -349,7 +352,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, b
                                  expert_x_scale, counts, route, recv);
       e.failure())
     return e;
-  return OneShot<kGraph>(*dev, 0, "dispatch",
+  return OneShot<kGraph>(dev, 0, "dispatch",
                          [&](bool* sent) { return Launch(*dev, send, recv, stream, sent); });
 }
 
@@ -365,7 +368,7 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, in
   if (auto e = CheckCombineSend(dev->args, channel, mode, expert_y, route, ticket, send); e.failure()) return e;
   if (auto e = CheckCombineRecv(dev->args, channel, mode, topk_weights, topk_idx, expert_y, out, recv); e.failure())
     return e;
-  return OneShot<kGraph>(*dev, 1 + send.channel, "combine",
+  return OneShot<kGraph>(dev, 1 + send.channel, "combine",
                          [&](bool* sent) { return Launch(*dev, send, recv, stream, sent); });
 }
 
