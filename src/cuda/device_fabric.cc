@@ -198,7 +198,7 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory) {
   streams_.resize(kFabricStreams);
   for (int i = 0; i < kFabricStreams; ++i) {
     Stream& st = streams_[i];
-    st.region = i == 0 ? FabricDispatchRegion(shape_) : FabricCombineRegion(shape_);
+    st.region = i == 0 ? FabricDispatchRegion(shape_) : FabricCombineRegion(shape_, i - 1);
     st.comm_id = id | (i == 2 ? 0x4000u : 0u);
     const proxy::Lanes lanes{n, kFabricLanes, st.region};
     st.words = std::make_unique<PinnedBuffer>(sizeof(uint64_t) * (proxy::kBellWords + kFabricLanes * n));
@@ -397,7 +397,7 @@ uint64_t DeviceFabric::ArrivedBytes(size_t link, const uint8_t* region) const {
   std::memcpy(&h, region, sizeof(h));
   const uint64_t bound = streams_[link].region;
   if (h.magic != proxy::kRegionMagic) return FabricHeaderBytes(shape_);
-  const int64_t most = link == 0 ? shape_.max_tokens : shape_.rows_per_peer();
+  const int64_t most = link == 0 ? shape_.max_tokens : FabricCombineRows(shape_, int(link) - 1);
   const int64_t rows = h.rows < 0 ? 0 : (h.rows > most ? most : h.rows);
   const uint64_t n = link == 0 ? FabricDispatchBytes(shape_, rows) : FabricCombineBytes(shape_, rows);
   return n < bound ? n : bound;

@@ -187,7 +187,15 @@ JAX_MOE_HD inline uint64_t FabricCombineBytes(const MoeShape& s, int64_t rows) {
   return FabricHeaderBytes(s) + uint64_t(rows) * s.combine_row_bytes();
 }
 JAX_MOE_HD inline uint64_t FabricDispatchRegion(const MoeShape& s) { return AlignUp(FabricDispatchBytes(s, s.max_tokens), 64); }
-JAX_MOE_HD inline uint64_t FabricCombineRegion(const MoeShape& s) { return AlignUp(FabricCombineBytes(s, s.rows_per_peer()), 64); }
+// The rows a combine region of `channel` holds: rows_per_peer on channel 0 (kPerEntry returns a row per (t, k));
+// max_tokens on channel 1, which carries dispatch's transpose, always summed (kUnit: a row per slot), and refuses
+// kPerEntry where ranks are on other nodes (ffi/cuda/handlers.cc): its areas shrink by min(R, L).
+JAX_MOE_HD inline int64_t FabricCombineRows(const MoeShape& s, int channel) {
+  return channel == 1 ? int64_t(s.max_tokens) : s.rows_per_peer();
+}
+JAX_MOE_HD inline uint64_t FabricCombineRegion(const MoeShape& s, int channel) {
+  return AlignUp(FabricCombineBytes(s, FabricCombineRows(s, channel)), 64);
+}
 
 // A sent count (tokens a sender dispatched: a route's `sent`, a header's rows) clamped to [0, max_tokens]: routes
 // not from dispatch_recv and headers from a faulty peer may hold anything.

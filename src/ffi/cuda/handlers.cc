@@ -96,10 +96,14 @@ ffi::Error CheckWeights(ffi::AnyBuffer w, int64_t tokens, int r) {
   return ffi::Error::Success();
 }
 
-// The combine modes (kernels/moe_layout.h CombineMode).
-ffi::Error CheckMode(int64_t mode) {
+// The combine modes (kernels/moe_layout.h CombineMode). Channel 1 (dispatch's transpose) returns summed rows: its
+// fabric regions hold one row per token (FabricCombineRows), so rows per (t, k) are refused there across nodes.
+ffi::Error CheckMode(const KernelArgs& a, int64_t channel, int64_t mode) {
   if (mode != kPerEntry && mode != kWeighted && mode != kUnit)
     return ffi::Error::InvalidArgument("jax_moe cuda: bad combine mode");
+  if (channel == 1 && mode == kPerEntry && a.num_remote > 0)
+    return ffi::Error::InvalidArgument("jax_moe cuda: combine channel 1 (dispatch's gradient) returns summed rows "
+                                       "only where ranks are on other nodes (its areas hold one row per token)");
   return ffi::Error::Success();
 }
 
@@ -195,7 +199,7 @@ ffi::Error CheckCombineSend(const KernelArgs& a, int64_t channel, int64_t mode, 
     return e;
   if (route.element_count() != size_t(RouteLength(a.s))) return ffi::Error::InvalidArgument("jax_moe cuda: bad route");
   if (channel < 0 || channel >= kCombineChannels) return ffi::Error::InvalidArgument("jax_moe cuda: bad channel");
-  if (auto e = CheckMode(mode); e.failure()) return e;
+  if (auto e = CheckMode(a, channel, mode); e.failure()) return e;
   if (auto e = CheckTicket(ticket->element_count()); e.failure()) return e;
   io.channel = static_cast<int>(channel);
   io.mode = static_cast<int>(mode);
@@ -209,7 +213,7 @@ ffi::Error CheckCombineRecv(const KernelArgs& a, int64_t channel, int64_t mode, 
                             ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer expert_y, ffi::Result<ffi::AnyBuffer>& out,
                             CombineRecvIo& io) {
   if (channel < 0 || channel >= kCombineChannels) return ffi::Error::InvalidArgument("jax_moe cuda: bad channel");
-  if (auto e = CheckMode(mode); e.failure()) return e;
+  if (auto e = CheckMode(a, channel, mode); e.failure()) return e;
   const auto idims = topk_idx.dimensions();
   if (idims.size() != 2 || idims[1] != a.s.experts_per_token || idims[0] > a.s.max_tokens ||
       topk_weights.element_count() != topk_idx.element_count())
