@@ -14,6 +14,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "cuda/cuda_scope.h"
+#include "cuda/run_ahead.h"
 
 namespace jax_moe::cuda {
 namespace {
@@ -275,8 +276,10 @@ void DestroyComm(int64_t id) {
   // Outside the lock. A handler that found a device before the Communicator left the registry may still be launching on
   // it: wait until `doomed` is the only holder of every device (a handler holds its device for one call), so that
   // nothing is launched after the synchronisation below.
-  for (const auto& [ordinal, dev] : doomed)
+  for (const auto& [ordinal, dev] : doomed) {
+    ForgetSends(ordinal, dev.get());  // no run-ahead hold locks it from now on (cuda/run_ahead.h)
     while (dev.use_count() > 1) std::this_thread::yield();
+  }
   std::atomic_thread_fence(std::memory_order_acquire);
   // Two phases: every device of the Communicator is quiet before any buffer is freed, since a kernel on one device may
   // still write into another's buffer (an acknowledgement at the end of a receive).

@@ -24,22 +24,24 @@ struct Ring {
 };
 
 Ring& RingOf(int ordinal) {
-  static std::mutex mu;
-  static std::map<int, std::unique_ptr<Ring>> rings;  // never freed: one per GPU the process touched
-  std::lock_guard<std::mutex> lock(mu);
-  std::unique_ptr<Ring>& r = rings[ordinal];
+  // Never destroyed (as the registry): a handler may still hold a send at exit.
+  static auto* mu = new std::mutex;
+  static auto* rings = new std::map<int, std::unique_ptr<Ring>>;
+  std::lock_guard<std::mutex> lock(*mu);
+  std::unique_ptr<Ring>& r = (*rings)[ordinal];
   if (!r) r = std::make_unique<Ring>();
   return *r;
 }
 
 bool Staged(const DeviceComm& dev) { return dev.fabric && dev.fabric->proxy_calls_cuda(); }
 
-// Waits (bounded by its Communicator's timeout) until `s` was rung, or its device or pump reported an error.
-void WaitRung(const Send& s) {
-  const std::shared_ptr<const DeviceComm> dev = s.dev.lock();
+// Waits (bounded by its Communicator's timeout) until round `round` of `stream` was rung on `dev`, or its device or
+// pump reported an error. `dev` was locked under the ring's mutex: DestroyComm forgets a Communicator's sends under
+// it, then waits until no one else holds the device, so the fabric lives while this waits.
+void WaitRung(const std::shared_ptr<const DeviceComm>& dev, int stream, uint64_t round) {
   if (!dev || !dev->fabric) return;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(dev->timeout_s);
-  while (dev->fabric->Rung(size_t(s.stream)) < s.round) {
+  while (dev->fabric->Rung(size_t(stream)) < round) {
     if (std::chrono::steady_clock::now() > deadline || !StickyError(*dev).empty() || !dev->fabric->Error().empty())
       return;
     std::this_thread::sleep_for(std::chrono::microseconds(20));
@@ -52,16 +54,30 @@ DeviceReport HoldRunAhead(const std::shared_ptr<const DeviceComm>& dev) {
   if (!Staged(*dev)) return {};
   Ring& ring = RingOf(dev->ordinal);
   for (;;) {
-    Send oldest;
+    std::shared_ptr<const DeviceComm> owner;
+    int stream = 0;
+    uint64_t round = 0;
     {
       std::lock_guard<std::mutex> lock(ring.mu);
       if (ring.sends.size() < kRunAhead) break;
-      oldest = ring.sends.front();
+      owner = ring.sends.front().dev.lock();
+      stream = ring.sends.front().stream;
+      round = ring.sends.front().round;
       ring.sends.pop_front();
     }
-    WaitRung(oldest);
+    WaitRung(owner, stream, round);
   }
-  return StickyError(*dev);
+  if (DeviceReport failed = StickyError(*dev); !failed.empty()) return failed;
+  return ProxyError(*dev);
+}
+
+void ForgetSends(int ordinal, const DeviceComm* dev) {
+  Ring& ring = RingOf(ordinal);
+  std::lock_guard<std::mutex> lock(ring.mu);
+  for (auto it = ring.sends.begin(); it != ring.sends.end();) {
+    const std::shared_ptr<const DeviceComm> held = it->dev.lock();
+    if (!held || held.get() == dev) it = ring.sends.erase(it); else ++it;
+  }
 }
 
 void CountSend(const std::shared_ptr<const DeviceComm>& dev, int stream) {

@@ -23,8 +23,12 @@ constexpr size_t kRunAhead = 8;
 // Before a send of `dev` (plain handlers): where dev's proxy calls CUDA, waits until the
 // GPU rang the oldest of its last kRunAhead recorded sends (any Communicator of the GPU); returns at once otherwise.
 // Each wait is bounded by that Communicator's timeout and ends early on its device or pump error. Returns dev's own
-// sticky report, if any: the caller then launches nothing (as Device() would have refused).
+// sticky or pump report, if any: the caller then launches nothing (as Device() would have refused).
 DeviceReport HoldRunAhead(const std::shared_ptr<const DeviceComm>& dev);
+
+// Drops every recorded send of `dev` (DestroyComm, before it waits until no handler holds the device): no hold
+// reaches a Communicator being destroyed afterwards.
+void ForgetSends(int ordinal, const DeviceComm* dev);
 
 // Records a send launched on `stream` of `dev` (what HoldRunAhead waits for later); a no-op where dev's proxy makes
 // no CUDA call.

@@ -160,6 +160,7 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Pa
     free_ok = a.num_remote == 0 ||
               WaitFabric(a, fab, proxy::kSent, SlotPredecessor(epoch), ack * kWaitStride + FirstRemote(a), 1 + ch, part);
   const long long rows = s.max_recv_rows(), entries = s.entries();
+  const long long cap = FabricCombineRows(s, ch);  // rows a region of this channel holds
   if (a.num_remote > 0) {
     for (int f = threadIdx.x; f <= blocks; f += blockDim.x) sstart[f] = route[rows + 1 + f];
     __syncthreads();
@@ -170,10 +171,10 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Pa
         for (int e = 0; e < s.local_experts; ++e) {
           const int f = e * n + q;
           const long long c = static_cast<long long>(sstart[f + 1]) - sstart[f];
-          qoff[f] = static_cast<int>(at < s.rows_per_peer() ? at : s.rows_per_peer());
+          qoff[f] = static_cast<int>(at < cap ? at : cap);
           at += c > 0 ? c : 0;
         }
-        if (at > s.rows_per_peer()) at = s.rows_per_peer();
+        if (at > cap) at = cap;
       } else {  // one summed row per slot of the region q sent (SendSums)
         at = ClampTokens(s, route[RouteSentOffset(s) + q]);
       }
@@ -207,7 +208,7 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Pa
         if (sstart[mid] <= i) lo = mid; else hi = mid - 1;
       }
       const long long j = qoff[lo] + (i - sstart[lo]);
-      if (lo % n != q || j < 0 || j >= s.rows_per_peer()) continue;  // a route not from dispatch_recv
+      if (lo % n != q || j < 0 || j >= cap) continue;  // a route not from dispatch_recv
       const int bytes = s.combine_row_bytes() - off < kChunkBytes ? s.combine_row_bytes() - off : kChunkBytes;
       WarpCopy16(SendRegion(fab, a, epoch, q) + FabricHeaderBytes(s) + j * s.combine_row_bytes() + off,
                  y + i * s.combine_row_bytes() + off, bytes, lane);
@@ -264,7 +265,7 @@ __device__ void CombineRecvBody(const KernelArgs& a, const CombineRecvIo& io, Pa
   if (threadIdx.x < s.num_ranks && IsRemote(a, threadIdx.x)) {  // the region holds exactly the rows we expect
     const int p = threadIdx.x;
     const proxy::RegionHeader h = LoadHeader(RecvRegion(fab, a, epoch, p));
-    pok[p] = fab_ok && HeaderOk(h, fab, epoch, p, s.rows_per_peer()) && h.rows == fexp[p];
+    pok[p] = fab_ok && HeaderOk(h, fab, epoch, p, FabricCombineRows(s, ch)) && h.rows == fexp[p];
     if (fab_ok && !pok[p] && part.id == 0) RaiseError(a, kBadPeerData, p);
   }
   __syncthreads();

@@ -75,6 +75,13 @@ def test_programs_enqueued_far_ahead_across_nodes(memory, rng):
                  **_expect_on_gpu(memory, "shm"), **_staged_env(memory))
 
 
+@pytest.mark.multiprocess
+def test_rows_per_entry_on_the_gradient_channel_are_refused_across_nodes(rng):
+    """Combine channel 1's regions hold one row per token (dispatch's transpose is always summed): the handler refuses
+    rows per (t, k) there when ranks are on other nodes, on every rank alike."""
+    _run_workers(2, 1, "shm", rng, MP_CHANNEL1_REFUSAL="1")
+
+
 def _staged_env(memory: str) -> dict[str, str]:
     """"staged" runs only with CUDA's eager module loading (src/cuda/stage_copies.h says why)."""
     return {"CUDA_MODULE_LOADING": "EAGER"} if memory == "staged" else {}

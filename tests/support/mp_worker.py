@@ -99,6 +99,30 @@ def check_queue_ahead(comm, rng, n: int, programs: int, unroll: int) -> None:
     print(f"QUEUE-AHEAD process {jax.process_index()}: {programs} programs of {unroll} round trips", flush=True)
 
 
+def check_channel1_refusal(comm, rng, n: int) -> None:
+    """Combine channel 1 (dispatch's transpose) carries summed rows only across nodes (its regions hold one row per
+    token): rows per (t, k) on it are refused by the handler, naming the channel, and nothing is written."""
+    cfg = comm.cfg
+    x, _ = random_tokens(rng, n * cfg.max_tokens, cfg.hidden, False)
+    idx = random_routing(rng, n, cfg.max_tokens, cfg.experts_per_token, cfg.num_experts, mask=0.2)
+
+    def body(x, idx):
+        d = comm.dispatch(x, idx)
+        h = comm.backend.combine_send(d.expert_x, d._route, idx, channel=1, mode=0)  # 0: rows per (t, k)
+        return comm.backend.combine_recv(h, jnp.ones(idx.shape, jnp.float32), idx)
+
+    spec = P("ep")
+    f = jax.jit(jax.shard_map(body, mesh=comm.mesh, in_specs=(spec, spec), out_specs=spec))
+    sharding = jax.sharding.NamedSharding(comm.mesh, spec)
+    try:
+        jax.block_until_ready(f(*[multihost.place(v, sharding) for v in (x, idx)]))
+    except Exception as err:  # noqa: BLE001 - the refusal is what this checks
+        assert "channel 1" in str(err) and "summed rows" in str(err), err
+        print(f"REFUSED process {jax.process_index()}: {err}", flush=True)
+        return
+    raise AssertionError("rows per (t, k) on combine channel 1 across nodes were not refused")
+
+
 def check_fabric_memory(comm) -> None:
     """MP_EXPECT_FABRIC_ON_GPU=1/0: the cuda areas of remote ranks must be in GPU memory / host memory (unset: any);
     prints where they are either way."""
@@ -125,6 +149,11 @@ def main() -> None:
     rng = np.random.default_rng(int(seed))
     e, r, hidden, t = 2 * n, 3, 128, 5
     comms = []  # Communicators are collective: keep them until every process is done with them
+    if os.environ.get("MP_CHANNEL1_REFUSAL"):  # only check_channel1_refusal
+        comm = jax_moe.Communicator(jax_moe.MoEConfig(e, r, hidden, t), mesh, "ep", backend=backend)
+        check_channel1_refusal(comm, rng, n)
+        print(f"OK process {proc}/{nproc} devices={n} backend={comm.backend_name}", flush=True)
+        return
     ahead = os.environ.get("MP_QUEUE_AHEAD")  # "programs,unroll": only check_queue_ahead
     if ahead:
         comm = jax_moe.Communicator(jax_moe.MoEConfig(e, r, hidden, t), mesh, "ep", backend=backend)
