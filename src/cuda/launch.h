@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "cuda/device_comm.h"
 #include "kernels/moe_kernels.h"
@@ -21,6 +22,15 @@ cudaError_t Launch(const DeviceComm& dev, const DispatchSendIo& send, const Disp
                    bool* send_launched);
 cudaError_t Launch(const DeviceComm& dev, const CombineSendIo& send, const CombineRecvIo& recv, cudaStream_t stream,
                    bool* send_launched);
+
+// Each NVLink kernel's launch shape for `tokens` tokens, named as the Python tests and benchmarks name the halves
+// ("dispatch_send", ..., "dispatch" / "combine" for the one-shot calls' one kernel: blocks 0 where not fused).
+struct NamedShape {
+  const char* name;
+  int blocks;
+  int threads;
+};
+std::vector<NamedShape> LaunchShapes(const DeviceComm& dev, int tokens);
 
 // The device's global timer (ns) into out[0], on `stream` (the benchmark's stamps).
 cudaError_t LaunchStamp(uint64_t* out, cudaStream_t stream);

@@ -11,8 +11,8 @@
 #include "cuda/device_comm.h"
 #include "cuda/device_fabric.h"
 #include "cuda/device_memory.h"
+#include "cuda/launch.h"
 #include "ffi/cuda/handlers.h"
-#include "kernels/moe_kernels.h"
 #include "cuda/peer_bandwidth.h"
 #include "python/registry.h"
 
@@ -216,17 +216,10 @@ void RegisterCuda(nb::module_& m) {
         auto dev = jax_moe::cuda::FindDevice(id, ordinal);
         nb::dict d;
         if (!dev) return d;
-        namespace k = jax_moe::cuda;
-        const k::KernelArgs& a = dev->args;
-        auto put = [&](const char* name, k::LaunchShape s) { d[name] = std::make_tuple(s.blocks, s.threads); };
-        put("dispatch_send", k::DispatchSendShape(a, tokens));
-        put("dispatch_recv", k::DispatchRecvShape(a));
-        put("combine_send", k::CombineSendShape(a, k::kWeighted));
-        put("combine_send_per_entry", k::CombineSendShape(a, k::kPerEntry));
-        put("combine_recv", k::CombineRecvShape(a, tokens));
-        put("dispatch", k::DispatchShape(a, tokens));  // the one-shot calls' one kernel (blocks 0: not fused)
-        put("combine", k::CombineShape(a, k::kWeighted, tokens));
-        d["sms"] = a.num_sms;
+        for (const auto& s : jax_moe::cuda::LaunchShapes(*dev, tokens)) {
+          d[s.name] = std::make_tuple(s.blocks, s.threads);
+        }
+        d["sms"] = dev->args.num_sms;
         return d;
       },
       "Per half (blocks, threads per block) of its NVLink kernel for `tokens` tokens, and the device's SM count.");
