@@ -79,8 +79,9 @@ class Communicator:
       shm and tcp cannot carry GPU memory while a kernel waits for it, see docs/cuda.md), "host" (pinned host memory
       the kernels read and write over PCIe), "staged" (pinned host memory on the wire, HBM for the kernels, a copy
       engine between them; needs CUDA_MODULE_LOADING=EAGER set before the process first uses CUDA, and says so
-      otherwise), "auto" ("host"). Default $JAX_MOE_FABRIC_MEMORY, else "auto".
-      `comm.backend.fabric_info()` says which was used and, for "auto", why not GPU memory ("fallback").
+      otherwise), "auto" ("staged" where the process loads CUDA modules eagerly and command buffers are off, else
+      "host"). Default $JAX_MOE_FABRIC_MEMORY, else "auto". `comm.backend.fabric_info()` says which was used and,
+      for "auto", why ("fallback").
     ranks_per_node: "cuda" only: treat consecutive groups of this many ranks as one node (default
       $JAX_MOE_RANKS_PER_NODE, else one node per host). Ranks of one node reach each other over NVLink; ranks of
       other nodes through the host proxy and the TransferEngine (fabric_provider). For tests on one host, and for

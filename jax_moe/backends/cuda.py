@@ -193,7 +193,7 @@ class CudaBackend(NativeBackend):
         mine: dict[str, Any] = {}
         for d, _ in fabric:
             address, areas = self._mod.open_fabric(self.native_id, d.local_id, self.options.fabric_provider,
-                                                   self.options.fabric_memory)
+                                                   self.options.fabric_memory, not command_buffers())
             mine[str(d.device_id)] = [address.hex(), [a.hex() for a in areas]]
         records = dict(bootstrap.exchange(self.options, self.table, lambda: mine, stage="fabric").records)
         records[jax.process_index()] = mine

@@ -194,7 +194,7 @@ void ConnectComm(int64_t id, int ordinal, const std::vector<PeerSpec>& peers) {
 }
 
 std::pair<std::string, std::vector<std::string>> OpenFabric(int64_t id, int ordinal, const std::string& provider,
-                                                             AreaMemory memory) {
+                                                             AreaMemory memory, bool held) {
   auto dev = MustFind(id, ordinal);
   Require(!dev->fabric, "jax_moe cuda: the fabric of a device is opened once");
   Require(!dev->remote.empty(), "jax_moe cuda: connect the device before opening its fabric");
@@ -210,7 +210,7 @@ std::pair<std::string, std::vector<std::string>> OpenFabric(int64_t id, int ordi
   }
   DeviceScope scope(ordinal);
   dev->fabric = std::make_unique<DeviceFabric>(dev->args.s, dev->args.rank, static_cast<uint32_t>(id), dev->remote,
-                                               ordinal, provider, dev->timeout_s, memory);
+                                               ordinal, provider, dev->timeout_s, memory, held);
   return {dev->fabric->Address(), dev->fabric->Descriptors()};
 }
 

@@ -74,9 +74,10 @@ void DestroyComm(int64_t id);
 // Every Communicator of the process (at exit).
 void DestroyAllComms();
 // For a device with remote ranks (after ConnectComm): its engine, areas and pump on `provider`. Returns the engine's
-// address and the receive areas' descriptors, for the remote ranks' processes.
+// address and the receive areas' descriptors, for the remote ranks' processes. held: the device's sends go through
+// the plain handlers, which hold the host back (cuda/run_ahead.h); "auto" stages through HBM only then.
 std::pair<std::string, std::vector<std::string>> OpenFabric(int64_t id, int ordinal, const std::string& provider,
-                                                             AreaMemory memory = AreaMemory::kAuto);
+                                                             AreaMemory memory = AreaMemory::kAuto, bool held = true);
 // Connects the device to its remote ranks and starts its pump; then the device may launch.
 void ConnectFabric(int64_t id, int ordinal, const std::vector<RemoteEndpoint>& peers);
 

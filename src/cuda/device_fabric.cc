@@ -93,7 +93,7 @@ AreaMemory ParseAreaMemory(const std::string& name) {
 }
 
 DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, const std::vector<bool>& remote,
-                           int ordinal, const std::string& provider, double timeout_s, AreaMemory memory)
+                           int ordinal, const std::string& provider, double timeout_s, AreaMemory memory, bool held)
     : shape_(shape), rank_(rank), timeout_s_(timeout_s), remote_(remote), ordinal_(ordinal), provider_(provider),
       id_(comm_id & kIdMask) {
   const int64_t n = shape.num_ranks;
@@ -122,7 +122,7 @@ DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, co
     }
     engine_ = proxy::AcquireEngine(EngineKey(), provider, options);
     Require(engine_->max_imm() == UINT32_MAX, "DeviceFabric: the fabric provider does not carry 32-bit immediates");
-    Open(n, rank, memory);
+    Open(n, rank, memory, held);
   } catch (...) {
     streams_.clear();
     engine_.reset();
@@ -154,10 +154,11 @@ std::pair<Area, std::shared_ptr<fabric::MemoryRegion>> DeviceFabric::NewArea(siz
   return {std::move(area), std::move(mr)};
 }
 
-void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory) {
+void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory, bool held) {
   // GPU memory only when asked for (fabric_memory="device"): the NIC then writes the rows where the receive kernels
-  // read them (HBM), instead of into host memory that every kernel read crosses PCIe for. "auto" keeps the verified
-  // host staging and says why (docs/cuda.md, "GPU memory on the wire"):
+  // read them (HBM), instead of into host memory that every kernel read crosses PCIe for. "auto" takes the fastest
+  // verified path, staged (pinned host memory on the wire, HBM for the kernels) where it can run, else host, and says
+  // why not GPU memory (docs/cuda.md, "GPU memory on the wire"):
   // - shm and tcp copy GPU memory with cudaMemcpy on the proxy thread, and a receiver's copy into HBM does not finish
   //   while its receive kernel waits on the GPU for that very data (measured on libfabric 2.6 shm: one progress poll
   //   blocked until the kernel's timeout gave up). So they cannot carry GPU memory at all: "device" is refused.
@@ -178,7 +179,19 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory) {
   }
   if (memory != AreaMemory::kAuto) fallback_.clear();  // the reason is for "auto" only: nothing fell back otherwise
   if (on_gpu_) visibility_ = VisibilityOf(ordinal_);
-  const bool staged = memory == AreaMemory::kStaged;
+  bool staged = memory == AreaMemory::kStaged;
+  if (memory == AreaMemory::kAuto) {  // staged only where it cannot stall: eager loading, a held host (stage_copies.h)
+    if (!held) {
+      fallback_ += "; host memory, not staged: the command-buffer handlers (JAX_MOE_CUDA_COMMAND_BUFFERS=1) do not hold "
+                   "the host back, which the staged copies need";
+    } else if (LazyModuleLoading()) {
+      fallback_ += "; host memory, not staged: CUDA loads modules lazily (set CUDA_MODULE_LOADING=EAGER before the "
+                   "process first uses CUDA to stage through HBM)";
+    } else {
+      staged = true;
+      fallback_ += "; staged through HBM instead";
+    }
+  }
   if (staged && LazyModuleLoading()) {
     Throw(ErrorCode::kUnavailable,
           "jax_moe cuda: fabric_memory=\"staged\" needs CUDA's eager module loading: set CUDA_MODULE_LOADING=EAGER in "

@@ -73,8 +73,11 @@ class DeviceFabric {
  public:
   // remote[p]: rank p is on another node. comm_id: the Communicator's id (its low 14 bits tag the immediates; no two
   // live fabrics of a process may share them). ordinal: the GPU (its engine is shared with the GPU's other fabrics).
+  // held: the host is held back from running far ahead of this fabric's rounds (the plain handlers; not the
+  // command-buffer ones), which "auto" needs before it stages through HBM.
   DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, const std::vector<bool>& remote, int ordinal,
-               const std::string& provider, double timeout_s, AreaMemory memory = AreaMemory::kAuto);
+               const std::string& provider, double timeout_s, AreaMemory memory = AreaMemory::kAuto,
+               bool held = true);
   // Drains (bounded), stops the pump, waits for its own writes (bounded), gives the engine its peer sets and banked
   // immediates back, frees the areas, then lets go of the engine.
   ~DeviceFabric();
@@ -114,7 +117,7 @@ class DeviceFabric {
   std::vector<std::array<int64_t, 3>> Trace(int stream) const;
 
  private:
-  void Open(int64_t n, int rank, AreaMemory memory);  // the streams' areas, registrations and channels
+  void Open(int64_t n, int rank, AreaMemory memory, bool held);  // the streams' areas, registrations and channels
   // The provider moves GPU memory with cudaMemcpy on the proxy thread (shm, tcp), not with a NIC's DMA.
   static bool CopiesGpuMemory(const std::string& provider) { return provider == "shm" || provider == "tcp"; }
   bool copies_gpu_memory() const { return CopiesGpuMemory(engine_->provider()); }

@@ -126,17 +126,17 @@ void RegisterCuda(nb::module_& m) {
       "rank order.");
   cuda.def(
       "open_fabric",
-      [](int64_t id, int ordinal, const std::string& provider, const std::string& memory) {
+      [](int64_t id, int ordinal, const std::string& provider, const std::string& memory, bool held) {
         std::pair<std::string, std::vector<std::string>> opened;
         {
           nb::gil_scoped_release release;  // registers the areas, starts the engine
-          opened = jax_moe::cuda::OpenFabric(id, ordinal, provider, jax_moe::cuda::ParseAreaMemory(memory));
+          opened = jax_moe::cuda::OpenFabric(id, ordinal, provider, jax_moe::cuda::ParseAreaMemory(memory), held);
         }
         std::vector<nb::bytes> areas;
         for (const std::string& d : opened.second) areas.emplace_back(d.data(), d.size());
         return std::make_tuple(nb::bytes(opened.first.data(), opened.first.size()), areas);
       },
-      "id"_a, "ordinal"_a, "provider"_a, "memory"_a = "auto",
+      "id"_a, "ordinal"_a, "provider"_a, "memory"_a = "auto", "held"_a = true,
       "For a device with ranks on other nodes: its engine, areas (memory: \"auto\", \"device\", \"host\") and host "
       "proxy. Returns (engine address, [receive "
       "area descriptor per stream]).");

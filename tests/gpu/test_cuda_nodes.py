@@ -43,7 +43,7 @@ def _run_workers(nproc: int, ranks_per_node: int, provider: str, rng, **extra_en
 
 
 def _expect_on_gpu(memory: str, provider: str) -> dict[str, str]:
-    """What the workers must find: "host", "staged" and "auto" host memory on the wire ("auto" is "host"); "device" on
+    """What the workers must find: "host", "staged" and "auto" host memory on the wire; "device" on
     shm and tcp a refusal that says why (they copy GPU memory with CUDA calls on the proxy thread), on a NIC provider
     GPU memory."""
     if memory != "device":
@@ -85,6 +85,16 @@ def test_rows_per_entry_on_the_gradient_channel_are_refused_across_nodes(rng):
 def _staged_env(memory: str) -> dict[str, str]:
     """"staged" runs only with CUDA's eager module loading (src/cuda/stage_copies.h says why)."""
     return {"CUDA_MODULE_LOADING": "EAGER"} if memory == "staged" else {}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("command_buffers", ["0", "1"])
+def test_auto_stages_under_eager_loading(command_buffers, rng):
+    """"auto" under CUDA_MODULE_LOADING=EAGER stages through HBM with the plain handlers (which hold the host back),
+    and keeps host memory with the command-buffer ones (which do not), saying so in fabric_info()["fallback"]; the
+    worker checks which, and the oracle the round trips."""
+    _run_workers(2, 1, "shm", rng, JAX_MOE_FABRIC_MEMORY="auto", CUDA_MODULE_LOADING="EAGER",
+                 JAX_MOE_CUDA_COMMAND_BUFFERS=command_buffers, MP_EXPECT_FABRIC_ON_GPU="0")
 
 
 @pytest.mark.multiprocess
