@@ -15,6 +15,7 @@
 #include "common/log.h"
 #include "cuda/cuda_scope.h"
 #include "fabric/nic_topology.h"
+#include "fabric/numa_memory.h"
 #include "proxy/imm.h"
 
 namespace jax_moe::cuda {
@@ -66,23 +67,6 @@ int ProxyCpu(int ordinal) {
 
 }  // namespace
 
-PinnedBuffer::PinnedBuffer(size_t bytes) : size_(bytes) {
-  void* host = nullptr;
-  Check(cudaHostAlloc(&host, bytes, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
-  host_ = static_cast<uint8_t*>(host);
-  std::memset(host_, 0, bytes);
-  void* device = nullptr;
-  if (cudaError_t err = cudaHostGetDevicePointer(&device, host, 0); err != cudaSuccess) {
-    cudaFreeHost(host);
-    Check(err, "cudaHostGetDevicePointer");
-  }
-  device_ = static_cast<uint8_t*>(device);
-}
-
-PinnedBuffer::~PinnedBuffer() {
-  if (host_) cudaFreeHost(host_);
-}
-
 AreaMemory ParseAreaMemory(const std::string& name) {
   if (name == "auto" || name.empty()) return AreaMemory::kAuto;
   if (name == "device") return AreaMemory::kDevice;
@@ -117,6 +101,7 @@ DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, co
       options.pci_bus_id = bus;
       // Not pinned to a core: kept on the GPU's NUMA node, where its polls and copies stay on the GPU's socket.
       if (proxy_cpu_ < 0) options.progress_cpus = proxy_cpus_ = fabric::PciLocalCpus(bus);
+      numa_node_ = fabric::PciNumaNode(bus);  // and its pinned areas too (fabric/numa_memory.h)
     } else {
       cudaGetLastError();
     }
@@ -147,7 +132,7 @@ std::pair<Area, std::shared_ptr<fabric::MemoryRegion>> DeviceFabric::NewArea(siz
       Throw(e.code(), std::string("jax_moe cuda: fabric_memory=\"device\": ") + e.what());
     }
   } else {
-    area.pinned = std::make_unique<PinnedBuffer>(bytes);
+    area.pinned = std::make_unique<PinnedBuffer>(bytes, numa_node_);
     mr = engine_->Register(area.pinned->host(), bytes);
     if (staged) area.mirror = std::make_unique<DeviceMemory>(bytes, ordinal_);
   }
@@ -214,7 +199,7 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory, bool held) {
     st.region = i == 0 ? FabricDispatchRegion(shape_) : FabricCombineRegion(shape_, i - 1);
     st.comm_id = id | (i == 2 ? 0x4000u : 0u);
     const proxy::Lanes lanes{n, kFabricLanes, st.region};
-    st.words = std::make_unique<PinnedBuffer>(sizeof(uint64_t) * (proxy::kBellWords + kFabricLanes * n));
+    st.words = std::make_unique<PinnedBuffer>(sizeof(uint64_t) * (proxy::kBellWords + kFabricLanes * n), numa_node_);
     std::tie(st.send, st.send_mr) = NewArea(lanes.buffer_bytes(), staged);
     std::tie(st.recv, st.recv_mr) = NewArea(lanes.buffer_bytes(), staged);
     proxy::ChannelConfig config;
@@ -233,6 +218,11 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory, bool held) {
     JAX_MOE_LOG(kWarn, "jax_moe cuda: GPU %d neither orders nor flushes GPUDirect RDMA writes; a NIC's writes may "
                 "reach the receive kernels late (fabric_memory=\"host\" avoids it)", ordinal_);
   }
+}
+
+int DeviceFabric::AreasNumaNode() const {
+  if (streams_.empty() || !streams_[0].recv.pinned) return -1;
+  return fabric::NumaNodeOf(streams_[0].recv.pinned->host());
 }
 
 std::string DeviceFabric::MemoryName() const {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cuda/device_memory.h"
+#include "cuda/pinned_buffer.h"
 #include "cuda/stage_copies.h"
 #include "fabric/transfer_engine.h"
 #include "kernels/moe_layout.h"
@@ -25,23 +26,6 @@
 #include "proxy/region_header.h"
 
 namespace jax_moe::cuda {
-
-// Pinned host memory mapped into the GPUs (cudaHostAlloc, zeroed); freed on destruction.
-class PinnedBuffer {
- public:
-  explicit PinnedBuffer(size_t bytes);
-  ~PinnedBuffer();
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  uint8_t* host() const { return host_; }
-  uint8_t* device() const { return device_; }
-  size_t size() const { return size_; }
-
- private:
-  uint8_t* host_ = nullptr;
-  uint8_t* device_ = nullptr;
-  size_t size_ = 0;
-};
 
 // One fabric area (a stream's send or receive regions): in GPU memory where the engine registers device memory (the
 // NIC reads and writes HBM, the kernels too), else in pinned host memory, which the kernels either map (host) or
@@ -90,6 +74,10 @@ class DeviceFabric {
   int proxy_cpu() const { return proxy_cpu_; }
   // Where the proxy thread may run when not pinned to one core: the GPU's NUMA node (empty: anywhere).
   const std::vector<int>& proxy_cpus() const { return proxy_cpus_; }
+  // The GPU's NUMA node, which its pinned areas prefer (-1: unknown), and the node that holds the first page of its
+  // first receive area as the kernel reports it (-1: in GPU memory, or not reported).
+  int numa_node() const { return numa_node_; }
+  int AreasNumaNode() const;
   std::vector<std::string> Descriptors() const;  // [kFabricStreams] our receive areas
   // Connects to the remote ranks (every one of them, in any order) and starts the pump; `name(rank)` for errors.
   void Connect(const std::vector<RemoteEndpoint>& peers, std::function<std::string(int64_t)> name);
@@ -145,6 +133,7 @@ class DeviceFabric {
   std::string provider_;
   int proxy_cpu_ = -1;
   std::vector<int> proxy_cpus_;
+  int numa_node_ = -1;
   bool on_gpu_ = false;
   std::string fallback_;           // why GPU memory was wanted and not used
   RdmaVisibility visibility_ = RdmaVisibility::kOrdered;

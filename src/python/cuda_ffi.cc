@@ -171,10 +171,12 @@ void RegisterCuda(nb::module_& m) {
         d["remote_ranks"] = dev->args.num_remote;
         d["proxy_cpu"] = dev->fabric->proxy_cpu();
         d["proxy_cpus"] = dev->fabric->proxy_cpus();
+        d["numa_node"] = dev->fabric->numa_node();
+        d["areas_numa_node"] = dev->fabric->AreasNumaNode();
         return d;
       },
       "The fabric of a device ({} without remote ranks): provider, where its areas live, their bytes, the core of "
-      "its proxy thread (-1: not pinned).");
+      "its proxy thread (-1: not pinned), the GPU's NUMA node and the one its pinned areas landed on (-1: unknown).");
   cuda.def(
       "fabric_trace",
       [](int64_t id, int ordinal, int rounds, int stream) {

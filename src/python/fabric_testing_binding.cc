@@ -15,6 +15,7 @@
 #include "fabric/imm.h"
 #include "fabric/imm_counter.h"
 #include "fabric/nic_topology.h"
+#include "fabric/numa_memory.h"
 #include "fabric/wire.h"
 #include "python/registry.h"
 #ifdef JAX_MOE_HAVE_IBVERBS
@@ -164,6 +165,16 @@ void RegisterFabricTesting(nb::module_& m) {
         "sysfs_root"_a = "/sys");
   t.def("parse_cpu_list", &ParseCpuList, "list"_a);
   t.def("pci_local_cpus", &PciLocalCpus, "bus_id"_a, "sysfs_root"_a = "/sys");
+  t.def("pci_numa_node", &PciNumaNode, "bus_id"_a, "sysfs_root"_a = "/sys");
+  // NumaMemory of `bytes` preferring `node`: (the node granted, the node that holds its first and its last page).
+  t.def(
+      "numa_memory_nodes",
+      [](size_t bytes, int node) {
+        NumaMemory m(bytes, node);
+        const uint8_t* p = static_cast<const uint8_t*>(m.data());
+        return std::make_tuple(m.node(), NumaNodeOf(p), NumaNodeOf(p + m.size() - 1));
+      },
+      "bytes"_a, "node"_a);
 
   nb::class_<ImmCounter>(t, "ImmCounter")
       .def(nb::init<>())

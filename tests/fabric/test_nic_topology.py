@@ -231,3 +231,33 @@ def test_a_gpus_local_cpus_come_from_its_numa_node(tmp_path: Path) -> None:
     assert T.pci_local_cpus(gpus[0], root) == list(range(16)) + list(range(64, 80))
     assert T.pci_local_cpus("00000000:" + gpus[7][5:], root) == list(range(16, 32)) + list(range(80, 96))
     assert T.pci_local_cpus("0000:ff:00.0", root) == []  # unknown device: anywhere
+
+
+def test_a_gpus_numa_node_comes_from_sysfs(tmp_path: Path) -> None:
+    """The pinned areas of a GPU prefer its NUMA node (numa_node of its PCI device); -1 where sysfs does not say."""
+    fs, gpus, _ = dgx_like(tmp_path)
+    root = str(tmp_path)
+    for i, g in enumerate(gpus):
+        (Path(T.pci_sysfs_path(g, root)) / "numa_node").write_text(f"{i // 4}\n")
+    assert [T.pci_numa_node(g, root) for g in gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert T.pci_numa_node("00000000:" + gpus[5][5:], root) == 1  # CUDA's spelling of the id
+    (Path(T.pci_sysfs_path(gpus[0], root)) / "numa_node").write_text("-1\n")  # what a one-node VM says
+    assert T.pci_numa_node(gpus[0], root) == -1
+    (Path(T.pci_sysfs_path(gpus[1], root)) / "numa_node").write_text("x\n")
+    assert T.pci_numa_node(gpus[1], root) == -1
+    assert T.pci_numa_node("0000:ff:00.0", root) == -1 and T.pci_numa_node("not a bus id", root) == -1
+
+
+def test_numa_memory_lands_on_the_node_asked_for() -> None:
+    """Every page of the memory, first and last, is on the node asked for, when the kernel lets us ask (containers
+    without CAP_SYS_NICE refuse mbind: then the node granted is -1 and the memory is still usable); a node that does not
+    exist is refused the same way, never an error."""
+    nodes = sorted(int(p.name[4:]) for p in Path("/sys/devices/system/node").glob("node[0-9]*")) or [0]
+    for node in nodes:
+        for size in (1, 4096, 3 << 20):
+            granted, first, last = T.numa_memory_nodes(size, node)
+            assert granted in (node, -1), (size, node, granted)
+            if granted == node and first != -1:
+                assert (first, last) == (node, node), (size, node, first, last)
+    assert T.numa_memory_nodes(4096, -1)[0] == -1
+    assert T.numa_memory_nodes(4096, max(nodes) + 7)[0] == -1

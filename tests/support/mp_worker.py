@@ -129,7 +129,8 @@ def check_fabric_memory(comm) -> None:
     info = getattr(comm.backend, "fabric_info", lambda: {})()
     for ordinal, i in info.items():
         print(f"FABRIC process {jax.process_index()} device {ordinal}: {i.get('provider')}, {i.get('memory')}, "
-              f"visibility: {i.get('visibility')}, fallback: {i.get('fallback') or '-'}", flush=True)
+              f"visibility: {i.get('visibility')}, fallback: {i.get('fallback') or '-'}, NUMA node: "
+              f"{i.get('numa_node')}, areas on node {i.get('areas_numa_node')}", flush=True)
     asked = os.environ.get("JAX_MOE_FABRIC_MEMORY", "auto")
     for i in info.values():  # "auto" on host memory says why; an explicit choice fell back from nothing
         if asked == "auto" and not i["on_gpu"]:
@@ -139,6 +140,8 @@ def check_fabric_memory(comm) -> None:
         stages = asked == "staged" or (asked == "auto" and os.environ.get("CUDA_MODULE_LOADING") == "EAGER"
                                        and os.environ.get("JAX_MOE_CUDA_COMMAND_BUFFERS", "0") != "1")
         assert bool(i.get("staged")) == stages, f"fabric_memory={asked}: staged is {i.get('staged')}: {info}"
+        if not i["on_gpu"] and i["numa_node"] >= 0 and i["areas_numa_node"] >= 0:  # where the kernel says both
+            assert i["areas_numa_node"] == i["numa_node"], f"pinned areas off the GPU's NUMA node: {info}"
     want = os.environ.get("MP_EXPECT_FABRIC_ON_GPU")
     if want is not None and info:
         got = {o: bool(i["on_gpu"]) for o, i in info.items()}

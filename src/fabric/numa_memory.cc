@@ -1,0 +1,71 @@
+#include "fabric/numa_memory.h"
+
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "fabric/nic_topology.h"
+
+namespace jax_moe::fabric {
+namespace {
+
+// <linux/mempolicy.h>'s values (numaif.h comes with libnuma, which we do not need).
+constexpr int kMpolPreferred = 1;
+constexpr unsigned kMpolFNode = 1u << 0, kMpolFAddr = 1u << 1;
+constexpr int kMaxNodes = 1024;  // bits in the node masks below
+
+}  // namespace
+
+int PciNumaNode(const std::string& bus_id, const std::string& sysfs_root) {
+  const std::string id = NormalizePciBusId(bus_id);
+  if (id.empty()) return -1;
+  std::ifstream in(sysfs_root + "/bus/pci/devices/" + id + "/numa_node");
+  long node = -1;
+  if (!(in >> node) || node < 0 || node >= kMaxNodes) return -1;
+  return static_cast<int>(node);
+}
+
+NumaMemory::NumaMemory(size_t bytes, int node) : node_(node) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  size_ = (bytes + page - 1) / page * page;
+  if (size_ == 0) size_ = page;
+  void* p = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    Throw(ErrorCode::kInternal, "NumaMemory: mmap of " + std::to_string(size_) + " bytes failed: " +
+                                             std::strerror(errno));
+  }
+  data_ = p;
+  if (node >= 0 && node < kMaxNodes) {
+    unsigned long mask[kMaxNodes / (8 * sizeof(unsigned long))] = {};
+    mask[node / (8 * sizeof(unsigned long))] = 1ul << (node % (8 * sizeof(unsigned long)));
+    // A refusal (no NUMA support in the kernel, a node offline) leaves the default placement: slower, not wrong.
+    if (syscall(SYS_mbind, data_, size_, kMpolPreferred, mask, kMaxNodes + 1, 0) != 0) {
+      static std::atomic<bool> said{false};  // once a process: containers often refuse mbind (no CAP_SYS_NICE)
+      if (!said.exchange(true)) {
+        JAX_MOE_LOG(kWarn, "NumaMemory: mbind to NUMA node %d refused (%s): pinned areas get the default placement",
+                    node, std::strerror(errno));
+      }
+      node_ = -1;
+    }
+  }
+  std::memset(data_, 0, size_);  // the first touch places every page under the policy above
+}
+
+NumaMemory::~NumaMemory() {
+  if (data_) munmap(data_, size_);
+}
+
+int NumaNodeOf(const void* p) {
+  int node = -1;
+  if (syscall(SYS_get_mempolicy, &node, nullptr, 0, const_cast<void*>(p), kMpolFNode | kMpolFAddr) != 0) return -1;
+  return node;
+}
+
+}  // namespace jax_moe::fabric
