@@ -188,8 +188,8 @@ def test_cuda_peers_from_the_exchange(monkeypatch):
     opened = []
     backend._mod = SimpleNamespace(
         connect=lambda *a: connected.append(a),
-        open_fabric=lambda gid, ordinal, provider, memory: (opened.append(memory) or
-                                                             (b"addr%d" % ordinal, [b"d0", b"d1", b"d2"])),
+        open_fabric=lambda gid, ordinal, provider, memory, held: (opened.append((memory, held)) or
+                                                                   (b"addr%d" % ordinal, [b"d0", b"d1", b"d2"])),
         connect_fabric=lambda *a: fabric.append(a))
     backend.table = bootstrap.RankTable((bootstrap.RankEntry(10, 0, 0, 0, 0), bootstrap.RankEntry(11, 0, 1, 0, 1),
                                          bootstrap.RankEntry(12, 1, 0, 0, 2)))
@@ -213,7 +213,8 @@ def test_cuda_peers_from_the_exchange(monkeypatch):
     assert [[spec[:2] for spec in specs] for _, _, specs in connected] == [[(0, 0), (1, 1), (2, 3)],
                                                                            [(0, 1), (1, 0), (2, 3)]]
     assert connected[0][2][2][4] == "process 1 on host there, GPU 0, node 1"
-    assert opened == ["host", "host"]  # each GPU's fabric opened with the Communicator's fabric_memory
+    # each GPU's fabric opened with the Communicator's fabric_memory; held: the plain handlers (no command buffers)
+    assert opened == [("host", True), ("host", True)]
     assert stages[0] == ("fabric", {"10": [b"addr0".hex(), ["6430", "6431", "6432"]],
                                     "11": [b"addr1".hex(), ["6430", "6431", "6432"]]})
     assert stages[1] == ("fabric", None)
