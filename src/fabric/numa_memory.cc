@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 
@@ -26,9 +27,14 @@ constexpr int kMaxNodes = 1024;  // bits in the node masks below
 int PciNumaNode(const std::string& bus_id, const std::string& sysfs_root) {
   const std::string id = NormalizePciBusId(bus_id);
   if (id.empty()) return -1;
+  // getline and strtol, not `in >> node`: a stream's number parsing goes through the process's locale facets, which
+  // crashed (SIGSEGV in codecvt) where another C++ runtime is loaded beside ours (the GPU machine's torch venv).
   std::ifstream in(sysfs_root + "/bus/pci/devices/" + id + "/numa_node");
-  long node = -1;
-  if (!(in >> node) || node < 0 || node >= kMaxNodes) return -1;
+  std::string line;
+  if (!in || !std::getline(in, line)) return -1;
+  char* end = nullptr;
+  const long node = std::strtol(line.c_str(), &end, 10);
+  if (end == line.c_str() || (*end != 0 && *end != '\n') || node < 0 || node >= kMaxNodes) return -1;
   return static_cast<int>(node);
 }
 
