@@ -220,6 +220,13 @@ def test_cuda_peers_from_the_exchange(monkeypatch):
     assert stages[1] == ("fabric", None)
     assert fabric == [(7, 0, [(2, b"\xaa", [b"\x01", b"\x02", b"\x03"])]),
                       (7, 1, [(2, b"\xaa", [b"\x01", b"\x02", b"\x03"])])]
+    # Command-buffer handlers do not hold the host back: the fabric is opened unheld ("auto" then never stages).
+    monkeypatch.setenv("JAX_MOE_CUDA_COMMAND_BUFFERS", "1")
+    opened.clear()
+    backend.options = SimpleNamespace(ranks_per_node=None, fabric_provider="tcp", fabric_memory="auto")
+    backend._connect(bootstrap.Peers(["here", "there"], {1: {"12": b"ipc".hex()}}))
+    assert opened == [("auto", False), ("auto", False)]
+    monkeypatch.delenv("JAX_MOE_CUDA_COMMAND_BUFFERS")
     # A forced node across two hosts cannot map its GPUs' memory.
     backend.options = SimpleNamespace(ranks_per_node=3, fabric_provider="tcp", fabric_memory="auto")
     with pytest.raises(ValueError, match="cannot map each other's memory"):

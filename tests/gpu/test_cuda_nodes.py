@@ -88,13 +88,12 @@ def _staged_env(memory: str) -> dict[str, str]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("command_buffers", ["0", "1"])
-def test_auto_stages_under_eager_loading(command_buffers, rng):
-    """"auto" under CUDA_MODULE_LOADING=EAGER stages through HBM with the plain handlers (which hold the host back),
-    and keeps host memory with the command-buffer ones (which do not), saying so in fabric_info()["fallback"]; the
-    worker checks which, and the oracle the round trips."""
+def test_auto_stages_under_eager_loading(rng):
+    """"auto" under CUDA_MODULE_LOADING=EAGER stages through HBM with the plain handlers (which hold the host back;
+    with the command-buffer ones, which do not, the backend asks for no staging: test_cuda_offline); the worker checks
+    which memory it got and that fabric_info()["fallback"] says why, and the oracle the round trips."""
     _run_workers(2, 1, "shm", rng, JAX_MOE_FABRIC_MEMORY="auto", CUDA_MODULE_LOADING="EAGER",
-                 JAX_MOE_CUDA_COMMAND_BUFFERS=command_buffers, MP_EXPECT_FABRIC_ON_GPU="0")
+                 MP_EXPECT_FABRIC_ON_GPU="0")
 
 
 @pytest.mark.multiprocess
