@@ -125,12 +125,15 @@ if has xoverlap; then  # overlap across nodes (issue 25): two processes under MP
   mps_stop
 fi
 if has mb; then  # two micro-batches in one layer (issue 26, rounds_in_flight = 2): EP1, then two processes under MPS
-  # as one node (CUDA IPC) and as two nodes (the host proxy, $MB_PROVIDER)
+  # as one node (CUDA IPC) and as two nodes (the host proxy, $MB_PROVIDER, areas in $MB_MEMORY: auto, host, staged)
   stage mb_ep1 200 python3 -m jax_moe.bench overlap --micro-batches --iters 100 --json "$OUT/mb_ep1.json"
   mps_start
   stage mb_ipc 240 env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 python3 -m jax_moe.bench overlap --micro-batches \
     --iters 50 --processes 2 --ranks-per-node 2 --json "$OUT/mb_ipc.json"
-  stage mb_nodes 240 env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 python3 -m jax_moe.bench overlap --micro-batches \
+  mb_eager=CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-LAZY}
+  [ "${MB_MEMORY:-auto}" = staged ] && mb_eager=CUDA_MODULE_LOADING=EAGER
+  stage mb_nodes 240 env $mb_eager CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_FABRIC_MEMORY=${MB_MEMORY:-auto} \
+    python3 -m jax_moe.bench overlap --micro-batches \
     --iters 50 --processes 2 --ranks-per-node 1 --provider "${MB_PROVIDER:-shm}" --json "$OUT/mb_nodes.json"
   mps_stop
 fi
