@@ -4,6 +4,11 @@ One sender scatters `size` bytes to each of N peers (one write per peer, imm 1);
 its immediate and answers with a zero-byte write (imm 2); the sender's clock stops when all N answers
 are in. Latency is that round (p50/p99 over the timed rounds, after warm-up); bandwidth is N * size /
 p50. Peers are separate processes that exchange addresses through files in a temporary directory.
+--exchange times what an all-to-all between two nodes does instead: both ranks write `size` bytes to each other at
+once, and each sends its next round when the other's last one is in, so the two run in step. A round is the time
+between two arrivals at rank 0 (not send -> arrival: the ranks' phases differ by up to a one-way, which would move
+time between the two ends of a round): a one-way time with both directions loaded, beside the default's one
+direction alone (a provider driven by CPUs, like tcp and shm, shares them between the two directions).
 --memory cuda puts every buffer in GPU memory (rank r on GPU r % --gpus, registered with its dmabuf where the driver
 exports one); the JSON says how the engine registered it ("<provider>_registration").
 """
@@ -91,9 +96,12 @@ def _buffer(eng: Any, nbytes: int, memory: str, ordinal: int, fill: bool) -> tup
 
 
 def _worker(d: str, rank: int, peers: int, provider: str, sizes: list[int], warmup: int, iters: int,
-            memory: str = "host", gpus: int = 1) -> None:
+            memory: str = "host", gpus: int = 1, exchange: bool = False) -> None:
     try:
-        _serve(d, rank, peers, provider, sizes, warmup, iters, memory, gpus)
+        if exchange:
+            _exchange(d, rank, provider, sizes, warmup, iters, memory, gpus)
+        else:
+            _serve(d, rank, peers, provider, sizes, warmup, iters, memory, gpus)
     except Exception as e:  # the launcher reports it: a worker's traceback alone is easy to lose
         _publish(d, f"error.{rank}", f"rank {rank}: {type(e).__name__}: {e}".encode())
         raise
@@ -146,6 +154,44 @@ def _serve(d: str, rank: int, peers: int, provider: str, sizes: list[int], warmu
     del owner
 
 
+def _exchange(d: str, rank: int, provider: str, sizes: list[int], warmup: int, iters: int, memory: str,
+              gpus: int) -> None:
+    """Two ranks write `size` bytes to each other every round (imm 1); a round ends when the other's write is in.
+    Rank 0 publishes the p50 / p99 of the intervals between its arrivals."""
+    from jax_moe import fabric
+
+    eng = fabric.TransferEngine(provider)
+    other = 1 - rank
+    biggest = max(max(sizes), 1)
+    mr, owner = _buffer(eng, 2 * biggest, memory, rank % gpus, fill=True)  # sent from the first half, into the second
+    _publish(d, f"addr.{rank}", eng.address())
+    _publish(d, f"desc.{rank}", mr.descriptor())
+    ps = eng.peer_set([eng.connect(_fetch(d, f"addr.{other}"), WAIT)], [_fetch(d, f"desc.{other}")])
+    results = []
+    for size in sizes:
+        w, n = _rounds_for(size, warmup, iters)
+        src, dst, length = np.zeros(1, np.int64), np.full(1, biggest, np.int64), np.full(1, size, np.int64)
+        arrivals = []
+        for _ in range(w + n + 1):
+            eng.scatter(ps, mr, src, length, dst, 1)
+            eng.wait_imm(1, 1, WAIT)
+            arrivals.append(time.perf_counter())
+            eng.wait_sends(WAIT)  # the region is rewritten next round: our write must have left it
+        t = np.diff(np.array(arrivals[w:]))
+        p50, p99 = float(np.percentile(t, 50)), float(np.percentile(t, 99))
+        results.append({"size": size, "rounds": n, "p50_us": p50 * 1e6, "p99_us": p99 * 1e6,
+                        "gbps": 2 * size / p50 / 1e9, "memory": memory, "registration": mr.registration,
+                        "pattern": "exchange"})
+    eng.barrier(ps, 2)  # neither closes its endpoint while the other may still write into it
+    eng.wait_imm(2, 1, WAIT)
+    eng.wait_sends(WAIT)
+    if rank == 0:
+        _publish(d, "results", json.dumps(results).encode())
+    del mr
+    eng.close()
+    del owner
+
+
 def run_workers(module: str, rank_args: list[list[str]], what: str, timeout: float):
     """Runs `python -m module --worker DIR *rank_args[r]` for every rank in a fresh directory and returns the JSON the
     workers publish there as "results". Any worker failing, or all of them running past `timeout`, raises; workers
@@ -174,9 +220,10 @@ def run_workers(module: str, rank_args: list[list[str]], what: str, timeout: flo
 
 
 def _run(provider: str, peers: int, sizes: list[int], warmup: int, iters: int, timeout: float, memory: str = "host",
-         gpus: int = 1) -> list[dict]:
-    args = [str(peers), provider, ",".join(map(str, sizes)), str(warmup), str(iters), memory, str(gpus)]
-    return run_workers("jax_moe.bench.fabric", [[str(rank)] + args for rank in range(peers + 1)],
+         gpus: int = 1, exchange: bool = False) -> list[dict]:
+    args = [str(peers), provider, ",".join(map(str, sizes)), str(warmup), str(iters), memory, str(gpus),
+            "exchange" if exchange else "scatter"]
+    return run_workers("jax_moe.bench.fabric", [[str(rank)] + args for rank in range(2 if exchange else peers + 1)],
                        f"bench fabric ({provider})", timeout)
 
 
@@ -216,9 +263,9 @@ def _free_port() -> int:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--worker"]:
-        d, rank, peers, provider, sizes, warmup, iters, memory, gpus = argv[1:10]
+        d, rank, peers, provider, sizes, warmup, iters, memory, gpus, pattern = argv[1:11]
         _worker(d, int(rank), int(peers), provider, [int(s) for s in sizes.split(",")], int(warmup), int(iters),
-                memory, int(gpus))
+                memory, int(gpus), pattern == "exchange")
         return 0
     ap = argparse.ArgumentParser(prog="python -m jax_moe.bench fabric", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -231,8 +278,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--memory", choices=MEMORIES, default="host",
                     help="where the buffers live: host memory (numpy), or GPU memory (jax_moe._core.cuda)")
     ap.add_argument("--gpus", type=int, default=1, help="--memory cuda: rank r's buffer is on GPU r %% gpus")
+    ap.add_argument("--exchange", action="store_true",
+                    help="two ranks write to each other at once (--peers is then 1); a round ends when the other's "
+                         "bytes are in: one-way with both directions loaded")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
+    if args.exchange:
+        args.peers = 1
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
     if args.memory == "cuda":
         try:
@@ -240,14 +292,15 @@ def main(argv: list[str]) -> int:
         except RuntimeError as e:
             print(f"bench fabric: {e}", file=sys.stderr)
             return 2
-    print(f"TransferEngine scatter round (1 -> {args.peers} peers, ack by zero-byte write), {args.memory} memory, "
-          f"{platform.node()} ({os.cpu_count()} CPUs)")
+    what = ("TransferEngine exchange (2 ranks write to each other at once; round: the other's bytes in)"
+            if args.exchange else f"TransferEngine scatter round (1 -> {args.peers} peers, ack by zero-byte write)")
+    print(f"{what}, {args.memory} memory, {platform.node()} ({os.cpu_count()} CPUs)")
     print(f"{'provider':<9}{'per peer':>10}{'rounds':>8}{'p50 us':>11}{'p99 us':>11}{'GB/s':>8}")
     all_results = {}
     for provider in args.providers.split(","):
         try:
             res = _run(provider, args.peers, sizes, args.warmup, args.iters, args.timeout, args.memory,
-                       max(1, args.gpus))
+                       max(1, args.gpus), args.exchange)
         except RuntimeError as e:
             print(f"bench fabric: {e}", file=sys.stderr)
             return 1

@@ -42,3 +42,18 @@ def test_pump_bench_tcp(tmp_path):
     steps = row["steps_p50_us"]
     assert set(steps) == {"bell_to_proxy", "proxy_post", "post_to_remote_flag", "flag_to_device", "device_turnaround"}
     assert all(0 <= v <= row["p99_us"] for v in steps.values()), steps
+
+
+@needs("tcp")
+def test_fabric_bench_exchange_tcp(tmp_path):
+    """--exchange: two ranks write to each other at once; one row per size, the intervals between rank 0's arrivals."""
+    out = tmp_path / "exchange.json"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "jax_moe.bench", "fabric", "--providers", "tcp", "--exchange",
+                        "--sizes", "0,64K", "--warmup", "2", "--iters", "6", "--json", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "exchange" in p.stdout
+    rows = json.loads(out.read_text())["tcp"]
+    assert [(r["size"], r["rounds"], r["pattern"]) for r in rows] == [(0, 6, "exchange"), (65536, 6, "exchange")]
+    assert all(0 < r["p50_us"] <= r["p99_us"] for r in rows), rows
