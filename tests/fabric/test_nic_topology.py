@@ -248,16 +248,27 @@ def test_a_gpus_numa_node_comes_from_sysfs(tmp_path: Path) -> None:
     assert T.pci_numa_node("0000:ff:00.0", root) == -1 and T.pci_numa_node("not a bus id", root) == -1
 
 
+def _numa_nodes() -> list[int]:
+    return sorted(int(p.name[4:]) for p in Path("/sys/devices/system/node").glob("node[0-9]*")) or [0]
+
+
+def test_numa_memory_refuses_no_node_and_stays_usable() -> None:
+    """No node, or one that does not exist, is never an error: the memory gets the default placement (granted -1)."""
+    assert T.numa_memory_nodes(4096, -1)[0] == -1
+    assert T.numa_memory_nodes(4096, max(_numa_nodes()) + 7)[0] == -1
+    assert T.numa_memory_nodes(1, 0)[0] in (0, -1)  # node 0 exists everywhere; -1 where mbind is refused
+
+
 def test_numa_memory_lands_on_the_node_asked_for() -> None:
-    """Every page of the memory, first and last, is on the node asked for, when the kernel lets us ask (containers
-    without CAP_SYS_NICE refuse mbind: then the node granted is -1 and the memory is still usable); a node that does not
-    exist is refused the same way, never an error."""
-    nodes = sorted(int(p.name[4:]) for p in Path("/sys/devices/system/node").glob("node[0-9]*")) or [0]
+    """Every page, first and last, is on the node asked for. Only a machine with two nodes or more can show it (on one,
+    every page is on node 0 whatever is asked), and only where the kernel lets us ask (containers without
+    CAP_SYS_NICE refuse mbind)."""
+    nodes = _numa_nodes()
+    if len(nodes) < 2:
+        pytest.skip("one NUMA node: placement cannot be told from the default")
     for node in nodes:
         for size in (1, 4096, 3 << 20):
             granted, first, last = T.numa_memory_nodes(size, node)
-            assert granted in (node, -1), (size, node, granted)
-            if granted == node and first != -1:
-                assert (first, last) == (node, node), (size, node, first, last)
-    assert T.numa_memory_nodes(4096, -1)[0] == -1
-    assert T.numa_memory_nodes(4096, max(nodes) + 7)[0] == -1
+            if granted == -1:
+                pytest.skip("mbind refused here (no CAP_SYS_NICE?)")
+            assert granted == node and (first, last) == (node, node), (size, node, granted, first, last)
