@@ -110,6 +110,14 @@ def test_table_shows_each_floor_its_ratio_and_target_or_why_not():
     cells = rows["dispatch_send"].split()
     assert cells[6:8] == ["10.0", "10.0"] and cells[10] == "100.00" and cells[11] == "NO"  # 1000 > 1.5 * 10 + 10
     assert "(<= 25.0)" in rows["dispatch_send"]
+    assert "both ways" in lines[0] and lines[1].split()[-2:] == ["both", "ways"]
+    # both ways: beside the floor of an operation that waits for bytes, not in it; "-" where not measured or a send
+    both = floor.rec_floors(rec, ep1, {500: 40.0, 1000: 70.0}, {500: 55.0})
+    assert both["dispatch"]["wire_both_ways_us"] == 55.0 and both["dispatch"]["floor_us"] == 50.0
+    assert "wire_both_ways_us" not in both["combine"] and "wire_both_ways_us" not in both["dispatch_send"]
+    rec["floor"] = both
+    rows = {line.split()[3]: line for line in floor.table([rec], meta)[2:]}
+    assert rows["dispatch"].split()[-1] == "55.0" and rows["combine"].split()[-1] == "-"
 
 
 def test_ep1_command_and_environment():
@@ -270,5 +278,9 @@ def test_report_measures_ep1_and_the_engine_and_writes_the_floors(tmp_path, caps
         # loaded machine can clamp it to 0); the send halves none
         assert (f["wire_one_way_us"] >= 0) if floor.WIRE[op] is not None else not f["wire_one_way_us"], (op, f)
     assert floors["dispatch"]["wire_bytes"] == 500 and floors["combine"]["wire_bytes"] == 1000
+    assert "error" not in meta["exchange"], meta["exchange"]  # both ways at once, beside the floor
+    assert sorted(meta["exchange"]["both_ways_p50_us"]) == ["0", "1000", "500"]
+    assert floors["dispatch"]["wire_both_ways_us"] > 0 and "wire_both_ways_us" not in floors["dispatch_send"]
     assert "FLOOR" in printed and printed.count("small       64 cpu") == len(floor.OPS)
     assert (tmp_path / "floor_ep1" / "results.json").exists() and (tmp_path / "floor_fabric.log").exists()
+    assert (tmp_path / "floor_exchange.log").exists()

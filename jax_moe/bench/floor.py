@@ -9,6 +9,9 @@ benchmarks of several area memories share the EP1 run, those of one provider and
 half only packs and rings its proxy's bell: the bytes travel while the receive half waits, so the one-way time goes into
 the receive halves and the totals, and a send half's floor is its EP1 time. Target: p50 <= 1.5 * floor + 10 us. A floor
 that cannot be measured reads "n/a (why)"; it never costs the run its own results.
+
+Beside it, not in it: "both ways", the engine's one-way for the same bytes with both directions loaded at once
+(`bench fabric --exchange`), as the ranks of an all-to-all load them; the floor's one-way loads one direction.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ DEFINITION = ("EP1 p50 of the same operation and shape + TransferEngine one-way 
               "memory) for the bytes it sends to a remote rank; send halves: EP1 only")
 
 Ep1 = Union[dict, str]    # (shape, tokens, backend) -> {op: p50}, or why there is none
-Wire = Union[dict, str]   # bytes -> one-way p50 us, or why there is none
+Wire = Union[dict, str]   # bytes -> one-way p50 us, or why there is none (also: both ways at once)
 
 
 class Unavailable(Exception):
@@ -61,9 +64,11 @@ def target_us(floor: float) -> float:
     return TARGET_FACTOR * floor + TARGET_SLACK_US
 
 
-def op_floor(p50: Optional[float], ep1: Union[float, str], wire: Union[tuple[int, float], str, None]) -> dict:
+def op_floor(p50: Optional[float], ep1: Union[float, str], wire: Union[tuple[int, float], str, None],
+             both_ways_us: Optional[float] = None) -> dict:
     """One operation's entry: `ep1` is the EP1 p50 or why it is missing; `wire` is (bytes, one-way p50 us), why it is
-    missing, or None for a send half (no bytes waited for)."""
+    missing, or None for a send half (no bytes waited for); `both_ways_us` the same bytes' one-way with both directions
+    loaded (reported beside the floor, not in it), where measured."""
     for why in (ep1, wire):
         if isinstance(why, str):
             return {"n/a": why}
@@ -71,6 +76,8 @@ def op_floor(p50: Optional[float], ep1: Union[float, str], wire: Union[tuple[int
     floor = float(ep1) + wire_us
     out: dict[str, Any] = {"floor_us": floor, "ep1_p50_us": float(ep1), "wire_bytes": nbytes,
                            "wire_one_way_us": wire_us, "target_us": target_us(floor), "p50_us": p50}
+    if wire is not None and both_ways_us is not None:
+        out["wire_both_ways_us"] = both_ways_us
     if p50 is not None:
         out["ratio"] = p50 / floor if floor > 0 else None
         out["meets_target"] = p50 <= target_us(floor)
@@ -83,8 +90,8 @@ def wire_bytes(rec: dict) -> dict[str, int]:
             "combine": round(rec.get("remote_combine_bytes_sent", rec["remote_combine_bytes"]))}
 
 
-def rec_floors(rec: dict, ep1: Ep1, wire: Wire) -> dict[str, dict]:
-    """Every operation of a moe record beside its floor."""
+def rec_floors(rec: dict, ep1: Ep1, wire: Wire, both: Wire = "not measured") -> dict[str, dict]:
+    """Every operation of a moe record beside its floor (and `both`, the one-way with both directions loaded)."""
     key = (rec["shape"], int(rec["tokens"]), rec["backend"])
     mine = ep1 if isinstance(ep1, str) else ep1.get(key, f"the EP1 run has no {key[0]} T={key[1]} {key[2]}")
     nbytes = wire_bytes(rec)
@@ -97,7 +104,8 @@ def rec_floors(rec: dict, ep1: Ep1, wire: Wire) -> dict[str, dict]:
         if WIRE[op] is not None:
             b = nbytes[WIRE[op]]
             w = wire if isinstance(wire, str) else ((b, wire[b]) if b in wire else f"bench fabric has no {b} B round")
-        out[op] = op_floor(rec["stats"][op]["p50"], e, w)
+        b2 = None if isinstance(both, str) or WIRE[op] is None else both.get(nbytes[WIRE[op]])
+        out[op] = op_floor(rec["stats"][op]["p50"], e, w, b2)
     return out
 
 
@@ -118,6 +126,14 @@ def parse_fabric(doc: dict, provider: str) -> tuple[dict[int, float], str]:
         raise Unavailable("bench fabric timed no empty round (size 0)")
     registration = doc.get(f"{provider}_registration") or rows[0].get("registration") or "?"
     return {s: one_way_us(v, rounds[0]) for s, v in rounds.items()}, str(registration)
+
+
+def parse_exchange(doc: dict, provider: str) -> dict[int, float]:
+    """The p50 us per size of `bench fabric --exchange --json`: a round there is already one way (no answer leg)."""
+    rows = doc.get(provider)
+    if not rows:
+        raise Unavailable(f"bench fabric --exchange wrote no rows for {provider}")
+    return {int(r["size"]): float(r["p50_us"]) for r in rows}
 
 
 # --- the runs -------------------------------------------------------------------------------------------------------
@@ -193,10 +209,11 @@ def ep1_env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in ("JAX_MOE_RANKS_PER_NODE", processes.PROC_ENV)}
 
 
-def fabric_command(provider: str, memory: str, sizes: list[int], gpus: int, path: str) -> list[str]:
+def fabric_command(provider: str, memory: str, sizes: list[int], gpus: int, path: str,
+                   exchange: bool = False) -> list[str]:
     return [sys.executable, "-m", "jax_moe.bench", "fabric", "--providers", provider, "--peers", "1",
             "--sizes", ",".join(map(str, sorted({0, *sizes}))), "--memory", memory, "--gpus", str(gpus),
-            "--json", path]
+            *(["--exchange"] if exchange else []), "--json", path]
 
 
 def attach(doc: dict, args: argparse.Namespace, work: str) -> Optional[dict]:
@@ -241,8 +258,21 @@ def attach(doc: dict, args: argparse.Namespace, work: str) -> Optional[dict]:
     except Unavailable as e:
         wire = f"bench fabric ({provider}, {memory} memory): {e}"
         meta["fabric"] = {"command": cmd, "memory": memory, "error": wire}
+
+    path = os.path.join(work, "floor_exchange.json")
+    cmd = fabric_command(provider, memory, sizes, processes.gpu_count(), path, exchange=True)
+    print(f"[moe] floors: bench fabric, both ways ({' '.join(cmd[4:])})", flush=True)
+    both: Wire
+    try:
+        doc_both, reused = cached_json(cache, cmd, lambda: run_json(cmd, path, timeout,
+                                                                    os.path.join(work, "floor_exchange.log")))
+        both = parse_exchange(doc_both, provider)
+        meta["exchange"] = {"command": cmd, "reused": reused, "both_ways_p50_us": {str(k): v for k, v in both.items()}}
+    except Unavailable as e:
+        both = f"bench fabric --exchange: {e}"
+        meta["exchange"] = {"command": cmd, "error": both}
     for rec in recs:
-        rec["floor"] = rec_floors(rec, ep1, wire)
+        rec["floor"] = rec_floors(rec, ep1, wire, both)
     doc["meta"]["floor"] = meta
     return meta
 
@@ -257,9 +287,11 @@ def table(results: list[dict], meta: dict) -> list[str]:
     fab = meta.get("fabric", {})
     lines = [f"[moe] FLOOR = EP1 p50 (same op and shape) + TransferEngine one-way p50 ({meta['provider']}, "
              f"{fab.get('memory')} memory, registered as {fab.get('registration', 'n/a')}) for the bytes sent to the "
-             f"remote rank (send halves: EP1 only, their bytes travel during the receive half); us; target {TARGET}",
+             f"remote rank (send halves: EP1 only, their bytes travel during the receive half); us; target {TARGET}; "
+             f"both ways: the same bytes' one-way with both directions loaded at once (bench fabric --exchange), "
+             f"not in FLOOR",
              f"{'shape':8s} {'T':>5s} {'backend':10s} {'op':13s} {'p50':>9s} {'p99':>9s} {'FLOOR':>9s} {'EP1':>9s} "
-             f"{'one-way':>9s} {'bytes':>9s} {'x floor':>8s}  target"]
+             f"{'one-way':>9s} {'bytes':>9s} {'x floor':>8s}  {'target':17s} {'both ways':>9s}"]
     for rec in results:
         for op, f in rec.get("floor", {}).items():
             st = rec["stats"][op]
@@ -274,7 +306,7 @@ def table(results: list[dict], meta: dict) -> list[str]:
             verdict = "-" if met is None else f"{'yes' if met else 'NO'} (<= {f['target_us']:.1f})"
             lines.append(f"{row} {_num(f['floor_us'])} {_num(f['ep1_p50_us'])} {_num(wire)} "
                          f"{f['wire_bytes'] if WIRE[op] else '-':>9} {'-' if ratio is None else f'{ratio:8.2f}':>8}"
-                         f"  {verdict}")
+                         f"  {verdict:17s} {_num(f.get('wire_both_ways_us'))}")
     return lines
 
 
