@@ -108,3 +108,34 @@ def test_overlap_bench_runs_end_to_end_on_cpu(tmp_path):
         assert r["comm_us"] > 0 and r["gemm_us"] > 0 and r["gemm_f"] % 128 == 0
         assert r["min_step_us"] >= 0 and 0 < r["gemm_in_overlap_us"] and r["overlap_us"] > 0
         assert r["hidden_fraction"] == pytest.approx((r["comm_us"] + r["gemm_us"] - r["overlap_us"]) / r["comm_us"])
+
+
+def test_the_launcher_loads_cuda_modules_eagerly_unless_told(monkeypatch):
+    """`--processes N` starts fresh processes, so it sets CUDA_MODULE_LOADING=EAGER before they use CUDA (then
+    fabric_memory "auto" stages the areas of remote ranks through HBM); a value the user set is kept."""
+    from jax_moe.bench import processes
+
+    envs = []
+
+    class Done:
+        returncode = 0
+
+        def __init__(self, cmd, env, **_):
+            envs.append(env)
+
+        def wait(self):
+            return 0
+
+        def communicate(self):
+            return "", None
+
+    monkeypatch.setattr(processes.subprocess, "Popen", Done)
+    monkeypatch.setattr(processes, "gpu_count", lambda: 1)
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    assert processes.launch(["--iters", "1"], 2) == 0
+    assert [e["CUDA_MODULE_LOADING"] for e in envs] == ["EAGER", "EAGER"]
+    assert [e[processes.PROC_ENV].split(",")[:2] for e in envs] == [["0", "2"], ["1", "2"]]
+    envs.clear()
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
+    processes.launch(["--iters", "1"], 2)
+    assert [e["CUDA_MODULE_LOADING"] for e in envs] == ["LAZY", "LAZY"]

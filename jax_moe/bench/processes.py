@@ -28,6 +28,10 @@ def launch(argv: list[str], processes: int, suite: str = "moe") -> int:
         port = sock.getsockname()[1]
     gpus = gpu_count()
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
+    # The launcher starts the processes, so it can choose CUDA's module loading before they first use CUDA (a library
+    # cannot, for its own process): eager, unless set, so that fabric_memory "auto" stages the areas of ranks on other
+    # nodes through HBM, the fastest path that runs (docs/cuda.md). JAX_MOE_FABRIC_MEMORY=host measures the other.
+    env.setdefault("CUDA_MODULE_LOADING", "EAGER")
     procs = []
     for i in range(processes):
         env_i = dict(env, **{PROC_ENV: f"{i},{processes},{port},{gpus}"})
