@@ -101,7 +101,7 @@ def check_queue_ahead(comm, rng, n: int, programs: int, unroll: int) -> None:
 
 def check_channel1_refusal(comm, rng, n: int) -> None:
     """Combine channel 1 (dispatch's transpose) carries summed rows only across nodes (its regions hold one row per
-    token): rows per (t, k) on it are refused by the handler, naming the channel, and nothing is written."""
+    token): rows per (t, k) on it are refused by the handler, naming the channel, on every rank alike."""
     cfg = comm.cfg
     x, _ = random_tokens(rng, n * cfg.max_tokens, cfg.hidden, False)
     idx = random_routing(rng, n, cfg.max_tokens, cfg.experts_per_token, cfg.num_experts, mask=0.2)
