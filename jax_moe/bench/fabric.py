@@ -95,6 +95,14 @@ def _buffer(eng: Any, nbytes: int, memory: str, ordinal: int, fill: bool) -> tup
     return eng.register(buf), buf
 
 
+def _row(size: int, seconds: list[float], moved: int, memory: str, registration: str, **extra: Any) -> dict:
+    """One size's result: p50 / p99 of the timed rounds (s), and GB/s for the `moved` bytes of a p50 round."""
+    t = np.array(seconds)
+    p50, p99 = float(np.percentile(t, 50)), float(np.percentile(t, 99))
+    return {"size": size, "rounds": len(t), "p50_us": p50 * 1e6, "p99_us": p99 * 1e6, "gbps": moved / p50 / 1e9,
+            "memory": memory, "registration": registration, **extra}
+
+
 def _worker(d: str, rank: int, peers: int, provider: str, sizes: list[int], warmup: int, iters: int,
             memory: str = "host", gpus: int = 1, exchange: bool = False) -> None:
     try:
@@ -134,10 +142,7 @@ def _serve(d: str, rank: int, peers: int, provider: str, sizes: list[int], warmu
                 eng.wait_sends(WAIT)
                 if r >= w:
                     times.append(t1 - t0)
-            t = np.array(times)
-            p50, p99 = float(np.percentile(t, 50)), float(np.percentile(t, 99))
-            results.append({"size": size, "rounds": n, "p50_us": p50 * 1e6, "p99_us": p99 * 1e6,
-                            "gbps": peers * size / p50 / 1e9, "memory": memory, "registration": mr.registration})
+            results.append(_row(size, times, peers * size, memory, mr.registration))
         _publish(d, "results", json.dumps(results).encode())
     else:
         sender = eng.connect(_fetch(d, "addr.0"), WAIT)
@@ -176,12 +181,9 @@ def _exchange(d: str, rank: int, provider: str, sizes: list[int], warmup: int, i
             eng.scatter(ps, mr, src, length, dst, 1)
             eng.wait_imm(1, 1, WAIT)
             arrivals.append(time.perf_counter())
-            eng.wait_sends(WAIT)  # the region is rewritten next round: our write must have left it
-        t = np.diff(np.array(arrivals[w:]))
-        p50, p99 = float(np.percentile(t, 50)), float(np.percentile(t, 99))
-        results.append({"size": size, "rounds": n, "p50_us": p50 * 1e6, "p99_us": p99 * 1e6,
-                        "gbps": 2 * size / p50 / 1e9, "memory": memory, "registration": mr.registration,
-                        "pattern": "exchange"})
+            eng.wait_sends(WAIT)  # as the scatter rounds do: no write of ours outlives its round
+        results.append(_row(size, list(np.diff(arrivals[w:])), 2 * size, memory, mr.registration,
+                            pattern="exchange"))
     eng.barrier(ps, 2)  # neither closes its endpoint while the other may still write into it
     eng.wait_imm(2, 1, WAIT)
     eng.wait_sends(WAIT)

@@ -76,7 +76,7 @@ def op_floor(p50: Optional[float], ep1: Union[float, str], wire: Union[tuple[int
     floor = float(ep1) + wire_us
     out: dict[str, Any] = {"floor_us": floor, "ep1_p50_us": float(ep1), "wire_bytes": nbytes,
                            "wire_one_way_us": wire_us, "target_us": target_us(floor), "p50_us": p50}
-    if wire is not None and both_ways_us is not None:
+    if both_ways_us is not None:
         out["wire_both_ways_us"] = both_ways_us
     if p50 is not None:
         out["ratio"] = p50 / floor if floor > 0 else None
@@ -101,10 +101,11 @@ def rec_floors(rec: dict, ep1: Ep1, wire: Wire, both: Wire = "not measured") -> 
         if e is None:
             e = f"the EP1 run did not time {op}"
         w: Union[tuple[int, float], str, None] = None
+        b2: Optional[float] = None
         if WIRE[op] is not None:
             b = nbytes[WIRE[op]]
             w = wire if isinstance(wire, str) else ((b, wire[b]) if b in wire else f"bench fabric has no {b} B round")
-        b2 = None if isinstance(both, str) or WIRE[op] is None else both.get(nbytes[WIRE[op]])
+            b2 = None if isinstance(both, str) else both.get(b)
         out[op] = op_floor(rec["stats"][op]["p50"], e, w, b2)
     return out
 
@@ -193,6 +194,12 @@ def run_json(cmd: list[str], json_path: str, timeout: float, log_path: str, env:
         raise Unavailable(f"{name} wrote no results: {e}") from None
 
 
+def cached_run(cache: Optional[str], cmd: list[str], json_path: str, timeout: float, log_path: str,
+               env: Optional[dict] = None) -> tuple[dict, bool]:
+    """run_json of `cmd`, once per command in `cache` (cached_json): (its JSON, whether it came from the cache)."""
+    return cached_json(cache, cmd, lambda: run_json(cmd, json_path, timeout, log_path, env))
+
+
 def ep1_command(args: argparse.Namespace, backends: list[str], shapes: list[str], out: str) -> list[str]:
     """The moe benchmark at EP1 with the multi-process run's shapes, iterations and seed."""
     cmd = [sys.executable, "-m", "jax_moe.bench", "moe", "--backend", ",".join(backends), "--shape", ",".join(shapes),
@@ -237,8 +244,8 @@ def attach(doc: dict, args: argparse.Namespace, work: str) -> Optional[dict]:
     print(f"[moe] floors: EP1 run ({' '.join(cmd[4:])})", flush=True)
     cache = getattr(args, "floor_cache", None)
     try:
-        doc_ep1, reused = cached_json(cache, cmd, lambda: run_json(cmd, os.path.join(ep1_out, "results.json"), timeout,
-                                                                   os.path.join(work, "floor_ep1.log"), ep1_env()))
+        doc_ep1, reused = cached_run(cache, cmd, os.path.join(ep1_out, "results.json"), timeout,
+                                     os.path.join(work, "floor_ep1.log"), ep1_env())
         ep1: Ep1 = parse_ep1(doc_ep1)
         meta["ep1"] = {"command": cmd, "seconds": time.perf_counter() - started, "reused": reused}
     except Unavailable as e:
@@ -246,12 +253,12 @@ def attach(doc: dict, args: argparse.Namespace, work: str) -> Optional[dict]:
         meta["ep1"] = {"command": cmd, "error": ep1}
 
     sizes = sorted({b for r in recs for b in wire_bytes(r).values()})
+    gpus = processes.gpu_count()
     path = os.path.join(work, "floor_fabric.json")
-    cmd = fabric_command(provider, memory, sizes, processes.gpu_count(), path)
+    cmd = fabric_command(provider, memory, sizes, gpus, path)
     print(f"[moe] floors: bench fabric ({' '.join(cmd[4:])})", flush=True)
     try:
-        doc_fabric, reused = cached_json(cache, cmd, lambda: run_json(cmd, path, timeout,
-                                                                      os.path.join(work, "floor_fabric.log")))
+        doc_fabric, reused = cached_run(cache, cmd, path, timeout, os.path.join(work, "floor_fabric.log"))
         wire, registration = parse_fabric(doc_fabric, provider)
         meta["fabric"] = {"command": cmd, "memory": memory, "registration": registration, "reused": reused,
                           "one_way_p50_us": {str(k): v for k, v in wire.items()}}
@@ -260,12 +267,11 @@ def attach(doc: dict, args: argparse.Namespace, work: str) -> Optional[dict]:
         meta["fabric"] = {"command": cmd, "memory": memory, "error": wire}
 
     path = os.path.join(work, "floor_exchange.json")
-    cmd = fabric_command(provider, memory, sizes, processes.gpu_count(), path, exchange=True)
+    cmd = fabric_command(provider, memory, sizes, gpus, path, exchange=True)
     print(f"[moe] floors: bench fabric, both ways ({' '.join(cmd[4:])})", flush=True)
     both: Wire
     try:
-        doc_both, reused = cached_json(cache, cmd, lambda: run_json(cmd, path, timeout,
-                                                                    os.path.join(work, "floor_exchange.log")))
+        doc_both, reused = cached_run(cache, cmd, path, timeout, os.path.join(work, "floor_exchange.log"))
         both = parse_exchange(doc_both, provider)
         meta["exchange"] = {"command": cmd, "reused": reused, "both_ways_p50_us": {str(k): v for k, v in both.items()}}
     except Unavailable as e:
