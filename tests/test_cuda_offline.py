@@ -190,7 +190,9 @@ def test_cuda_peers_from_the_exchange(monkeypatch):
         connect=lambda *a: connected.append(a),
         open_fabric=lambda gid, ordinal, provider, memory, held: (opened.append((memory, held)) or
                                                                    (b"addr%d" % ordinal, [b"d0", b"d1", b"d2"])),
-        connect_fabric=lambda *a: fabric.append(a))
+        connect_fabric=lambda *a: fabric.append(a),
+        fabric_info=lambda gid, ordinal: {"staged": staged})
+    staged = False
     backend.table = bootstrap.RankTable((bootstrap.RankEntry(10, 0, 0, 0, 0), bootstrap.RankEntry(11, 0, 1, 0, 1),
                                          bootstrap.RankEntry(12, 1, 0, 0, 2)))
     monkeypatch.setattr(jax, "process_index", lambda: 0)
@@ -225,8 +227,12 @@ def test_cuda_peers_from_the_exchange(monkeypatch):
     opened.clear()
     backend.options = SimpleNamespace(ranks_per_node=None, fabric_provider="tcp", fabric_memory="auto")
     backend._connect(bootstrap.Peers(["here", "there"], {1: {"12": b"ipc".hex()}}))
-    assert opened == [("auto", False), ("auto", False)]
+    assert opened == [("auto", False), ("auto", False)] and not backend._auto_staged
     monkeypatch.delenv("JAX_MOE_CUDA_COMMAND_BUFFERS")
+    opened.clear()
+    staged = True  # held, and the native side chose staged: a later switch to command buffers is refused (below)
+    backend._connect(bootstrap.Peers(["here", "there"], {1: {"12": b"ipc".hex()}}))
+    assert opened == [("auto", True), ("auto", True)] and backend._auto_staged
     # A forced node across two hosts cannot map its GPUs' memory.
     backend.options = SimpleNamespace(ranks_per_node=3, fabric_provider="tcp", fabric_memory="auto")
     with pytest.raises(ValueError, match="cannot map each other's memory"):
@@ -236,3 +242,16 @@ def test_cuda_peers_from_the_exchange(monkeypatch):
 def test_the_record_a_process_publishes(fake):
     comm = cuda_comm(2)
     assert json.loads(json.dumps(comm.backend._record())) == {"0": "0102", "1": "0102"}
+
+
+def test_command_buffers_set_after_auto_chose_staged_are_refused_at_trace_time(monkeypatch):
+    """"auto" stages only for the plain handlers (they hold the host back): a Communicator whose "auto" chose staged
+    areas refuses to trace a call once JAX_MOE_CUDA_COMMAND_BUFFERS=1 is set, naming the variable and the way out."""
+    backend = object.__new__(CudaBackend)
+    backend._auto_staged = True
+    monkeypatch.setenv("JAX_MOE_CUDA_COMMAND_BUFFERS", "1")
+    with pytest.raises(ValueError, match=r"COMMAND_BUFFERS=1 was set after .* staged areas .* fabric_memory=.host"):
+        backend._call("dispatch_send", None)
+    backend._auto_staged = False  # host areas (or staged asked for explicitly): the call goes on to the FFI
+    monkeypatch.setattr("jax_moe.backends.native.NativeBackend._call", lambda self, name, results, *a, **k: name)
+    assert backend._call("dispatch_send", None) == "dispatch_send"

@@ -191,9 +191,10 @@ class CudaBackend(NativeBackend):
         """Opens the engine, areas and proxy of each local device with remote ranks, exchanges their endpoints and
         connects them."""
         mine: dict[str, Any] = {}
+        held = not command_buffers()  # the plain handlers will launch the rounds: "auto" may stage (docs/cuda.md)
         for d, _ in fabric:
             address, areas = self._mod.open_fabric(self.native_id, d.local_id, self.options.fabric_provider,
-                                                   self.options.fabric_memory, not command_buffers())
+                                                   self.options.fabric_memory, held)
             mine[str(d.device_id)] = [address.hex(), [a.hex() for a in areas]]
         records = dict(bootstrap.exchange(self.options, self.table, lambda: mine, stage="fabric").records)
         records[jax.process_index()] = mine
@@ -205,6 +206,8 @@ class CudaBackend(NativeBackend):
             self._mod.connect_fabric(self.native_id, d.local_id, endpoints)
         if len(self.table.processes) > 1:
             bootstrap.barrier(self.options, "fabric")  # no region is posted before every peer is connected
+        self._auto_staged = self.options.fabric_memory == "auto" and any(i.get("staged")
+                                                                          for i in self.fabric_info().values())
 
     def fabric_info(self) -> dict[int, dict[str, Any]]:
         """Per local GPU ordinal with ranks on other nodes: the provider, where the areas live and their bytes."""
@@ -238,6 +241,14 @@ class CudaBackend(NativeBackend):
         """Reads and clears the error words of this process's devices (call after the results are ready). A timeout
         is not cleared: it is returned again by every later read, since the Communicator is unusable after one."""
         return [e for d in self._local() for e in [self._mod.take_error(self.native_id, d.local_id)] if e]
+
+    def _call(self, name: str, results: Any, *args: jax.Array, **attrs: Any) -> Any:
+        if command_buffers() and getattr(self, "_auto_staged", False):
+            raise ValueError("backend 'cuda': JAX_MOE_CUDA_COMMAND_BUFFERS=1 was set after this Communicator was made, "
+                             "and its fabric_memory \"auto\" chose staged areas then, which need the plain handlers "
+                             "(they hold the host back; the command-buffer ones do not: docs/cuda.md): set the "
+                             "variable before making the Communicator, or pass fabric_memory=\"host\"")
+        return super()._call(name, results, *args, **attrs)
 
     # --- the four halves ------------------------------------------------------------------------------------------
     def dispatch_send(self, x, x_scale, topk_idx, topk_weights=None) -> CudaDispatchHandle:

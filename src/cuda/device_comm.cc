@@ -276,8 +276,12 @@ void DestroyComm(int64_t id) {
   // Outside the lock. A handler that found a device before the Communicator left the registry may still be launching on
   // it: wait until `doomed` is the only holder of every device (a handler holds its device for one call), so that
   // nothing is launched after the synchronisation below.
+  // Then its recorded sends are forgotten (no run-ahead hold of another Communicator locks it from then on: no
+  // handler holds it, so none records a send after ForgetSends), and once more until a hold that locked it just before
+  // has let go (cuda/run_ahead.h).
   for (const auto& [ordinal, dev] : doomed) {
-    ForgetSends(ordinal, dev.get());  // no run-ahead hold locks it from now on (cuda/run_ahead.h)
+    while (dev.use_count() > 1) std::this_thread::yield();
+    ForgetSends(ordinal, dev.get());
     while (dev.use_count() > 1) std::this_thread::yield();
   }
   std::atomic_thread_fence(std::memory_order_acquire);

@@ -77,7 +77,7 @@ void DestroyAllComms();
 // address and the receive areas' descriptors, for the remote ranks' processes. held: the device's sends go through
 // the plain handlers, which hold the host back (cuda/run_ahead.h); "auto" stages through HBM only then.
 std::pair<std::string, std::vector<std::string>> OpenFabric(int64_t id, int ordinal, const std::string& provider,
-                                                             AreaMemory memory = AreaMemory::kAuto, bool held = true);
+                                                             AreaMemory memory = AreaMemory::kAuto, bool held = false);
 // Connects the device to its remote ranks and starts its pump; then the device may launch.
 void ConnectFabric(int64_t id, int ordinal, const std::vector<RemoteEndpoint>& peers);
 

@@ -170,8 +170,8 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory, bool held) {
       fallback_ += "; host memory, not staged: the command-buffer handlers (JAX_MOE_CUDA_COMMAND_BUFFERS=1) do not hold "
                    "the host back, which the staged copies need";
     } else if (LazyModuleLoading()) {
-      fallback_ += "; host memory, not staged: CUDA loads modules lazily (set CUDA_MODULE_LOADING=EAGER before the "
-                   "process first uses CUDA to stage through HBM)";
+      fallback_ += "; host memory, not staged: CUDA loads modules lazily, or its loading mode could not be read (set "
+                   "CUDA_MODULE_LOADING=EAGER before the process first uses CUDA to stage through HBM)";
     } else {
       staged = true;
       fallback_ += "; staged through HBM instead";
@@ -218,6 +218,10 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory, bool held) {
     JAX_MOE_LOG(kWarn, "jax_moe cuda: GPU %d neither orders nor flushes GPUDirect RDMA writes; a NIC's writes may "
                 "reach the receive kernels late (fabric_memory=\"host\" avoids it)", ordinal_);
   }
+}
+
+int DeviceFabric::AreasNumaNodeGranted() const {
+  return streams_.empty() || !streams_[0].recv.pinned ? -1 : streams_[0].recv.pinned->node();
 }
 
 int DeviceFabric::AreasNumaNode() const {
@@ -423,7 +427,11 @@ void DeviceFabric::Inspect(size_t link, uint64_t round, bool received) const {
       std::memcpy(&h, area.pinned->host() + at, sizeof(h));
     }
     // Without the counts check: a dispatch region's counts are entries per expert, its rows token records.
-    const std::string wrong = proxy::CheckHeader(h, shape_, st.comm_id, round, received ? p : rank_, false);
+    std::string wrong = proxy::CheckHeader(h, shape_, st.comm_id, round, received ? p : rank_, false);
+    if (wrong.empty() && link > 0 && h.rows > FabricCombineRows(shape_, int(link) - 1)) {  // channel 1: a row a token
+      wrong = "announced " + std::to_string(h.rows) + " rows, more than the " +
+              std::to_string(FabricCombineRows(shape_, int(link) - 1)) + " this channel's region holds";
+    }
     const double now = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
     JAX_MOE_LOG(kWarn, "inspect %.6f %s %s round %llu %s rank %d: %s (seq %llu, rows %d)", now,
                 link == 0 ? "dispatch" : "combine", received ? "arrived" : "posting", (unsigned long long)round,

@@ -61,7 +61,7 @@ class DeviceFabric {
   // command-buffer ones), which "auto" needs before it stages through HBM.
   DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, const std::vector<bool>& remote, int ordinal,
                const std::string& provider, double timeout_s, AreaMemory memory = AreaMemory::kAuto,
-               bool held = true);
+               bool held = false);
   // Drains (bounded), stops the pump, waits for its own writes (bounded), gives the engine its peer sets and banked
   // immediates back, frees the areas, then lets go of the engine.
   ~DeviceFabric();
@@ -74,9 +74,11 @@ class DeviceFabric {
   int proxy_cpu() const { return proxy_cpu_; }
   // Where the proxy thread may run when not pinned to one core: the GPU's NUMA node (empty: anywhere).
   const std::vector<int>& proxy_cpus() const { return proxy_cpus_; }
-  // The GPU's NUMA node, which its pinned areas prefer (-1: unknown), and the node that holds the first page of its
-  // first receive area as the kernel reports it (-1: in GPU memory, or not reported).
+  // The GPU's NUMA node, which its pinned areas prefer (-1: unknown); the node that preference was granted for (-1:
+  // none asked, or mbind refused: default placement); and the node that holds the first page of its first receive
+  // area as the kernel reports it (-1: in GPU memory, or not reported).
   int numa_node() const { return numa_node_; }
+  int AreasNumaNodeGranted() const;
   int AreasNumaNode() const;
   std::vector<std::string> Descriptors() const;  // [kFabricStreams] our receive areas
   // Connects to the remote ranks (every one of them, in any order) and starts the pump; `name(rank)` for errors.

@@ -37,7 +37,8 @@ bool Staged(const DeviceComm& dev) { return dev.fabric && dev.fabric->proxy_call
 
 // Waits (bounded by its Communicator's timeout) until round `round` of `stream` was rung on `dev`, or its device or
 // pump reported an error. `dev` was locked under the ring's mutex: DestroyComm forgets a Communicator's sends under
-// it, then waits until no one else holds the device, so the fabric lives while this waits.
+// it (after no handler holds the device, so none records more), then waits until no one else holds the device, so
+// the fabric lives while this waits.
 void WaitRung(const std::shared_ptr<const DeviceComm>& dev, int stream, uint64_t round) {
   if (!dev || !dev->fabric) return;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(dev->timeout_s);

@@ -26,8 +26,9 @@ constexpr size_t kRunAhead = 8;
 // sticky or pump report, if any: the caller then launches nothing (as Device() would have refused).
 DeviceReport HoldRunAhead(const std::shared_ptr<const DeviceComm>& dev);
 
-// Drops every recorded send of `dev` (DestroyComm, before it waits until no handler holds the device): no hold
-// reaches a Communicator being destroyed afterwards.
+// Drops every recorded send of `dev` (DestroyComm, once no handler holds the device, so none records another; it then
+// waits again for a hold that locked the device just before): no hold reaches a Communicator being destroyed
+// afterwards.
 void ForgetSends(int ordinal, const DeviceComm* dev);
 
 // Records a send launched on `stream` of `dev` (what HoldRunAhead waits for later); a no-op where dev's proxy makes

@@ -48,11 +48,16 @@ NumaMemory::NumaMemory(size_t bytes, int node) : node_(node) {
                                              std::strerror(errno));
   }
   data_ = p;
+  // Not copied into a child process: fork() would otherwise make these pages copy-on-write in the parent, and a
+  // write after it would move a page that the GPU and the NIC still address (older kernels).
+  madvise(data_, size_, MADV_DONTFORK);
+  if (node >= kMaxNodes) node_ = -1;  // nothing asked: report the default placement
   if (node >= 0 && node < kMaxNodes) {
     unsigned long mask[kMaxNodes / (8 * sizeof(unsigned long))] = {};
     mask[node / (8 * sizeof(unsigned long))] = 1ul << (node % (8 * sizeof(unsigned long)));
     // A refusal (no NUMA support in the kernel, a node offline) leaves the default placement: slower, not wrong.
-    if (syscall(SYS_mbind, data_, size_, kMpolPreferred, mask, kMaxNodes + 1, 0) != 0) {
+    if (syscall(SYS_mbind, data_, static_cast<unsigned long>(size_), static_cast<unsigned long>(kMpolPreferred), mask,
+                static_cast<unsigned long>(kMaxNodes + 1), 0u) != 0) {
       static std::atomic<bool> said{false};  // once a process: containers often refuse mbind (no CAP_SYS_NICE)
       if (!said.exchange(true)) {
         JAX_MOE_LOG(kWarn, "NumaMemory: mbind to NUMA node %d refused (%s): pinned areas get the default placement",
@@ -70,7 +75,10 @@ NumaMemory::~NumaMemory() {
 
 int NumaNodeOf(const void* p) {
   int node = -1;
-  if (syscall(SYS_get_mempolicy, &node, nullptr, 0, const_cast<void*>(p), kMpolFNode | kMpolFAddr) != 0) return -1;
+  if (syscall(SYS_get_mempolicy, &node, nullptr, 0ul, const_cast<void*>(p),
+              static_cast<unsigned long>(kMpolFNode | kMpolFAddr)) != 0) {
+    return -1;
+  }
   return node;
 }
 

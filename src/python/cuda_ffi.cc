@@ -136,8 +136,10 @@ void RegisterCuda(nb::module_& m) {
         for (const std::string& d : opened.second) areas.emplace_back(d.data(), d.size());
         return std::make_tuple(nb::bytes(opened.first.data(), opened.first.size()), areas);
       },
-      "id"_a, "ordinal"_a, "provider"_a, "memory"_a = "auto", "held"_a = true,
-      "For a device with ranks on other nodes: its engine, areas (memory: \"auto\", \"device\", \"host\") and host "
+      "id"_a, "ordinal"_a, "provider"_a, "memory"_a, "held"_a,
+      "For a device with ranks on other nodes: its engine, areas (memory: \"auto\", \"device\", \"host\", "
+      "\"staged\"; held: the plain handlers, which hold the host back, will launch its rounds, so \"auto\" may stage) "
+      "and host "
       "proxy. Returns (engine address, [receive "
       "area descriptor per stream]).");
   cuda.def(
@@ -172,6 +174,7 @@ void RegisterCuda(nb::module_& m) {
         d["proxy_cpu"] = dev->fabric->proxy_cpu();
         d["proxy_cpus"] = dev->fabric->proxy_cpus();
         d["numa_node"] = dev->fabric->numa_node();
+        d["areas_numa_node_granted"] = dev->fabric->AreasNumaNodeGranted();
         d["areas_numa_node"] = dev->fabric->AreasNumaNode();
         return d;
       },
