@@ -6,6 +6,7 @@
 #include <stdlib.h>  // realpath (POSIX)
 
 #include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -155,13 +156,33 @@ std::vector<int> ParseCpuList(const std::string& list) {
   return cpus;
 }
 
-std::vector<int> PciLocalCpus(const std::string& bus_id, const std::string& sysfs_root) {
+namespace {
+
+// The first line of a PCI device's sysfs attribute <sysfs_root>/bus/pci/devices/<id>/<name>; empty when unknown.
+std::string PciAttribute(const std::string& bus_id, const char* name, const std::string& sysfs_root) {
   const std::string id = NormalizePciBusId(bus_id);
   if (id.empty()) return {};
-  std::ifstream in(sysfs_root + "/bus/pci/devices/" + id + "/local_cpulist");
+  std::ifstream in(sysfs_root + "/bus/pci/devices/" + id + "/" + name);
   std::string line;
   if (!in || !std::getline(in, line)) return {};
-  return ParseCpuList(line);
+  return line;
+}
+
+}  // namespace
+
+std::vector<int> PciLocalCpus(const std::string& bus_id, const std::string& sysfs_root) {
+  const std::string line = PciAttribute(bus_id, "local_cpulist", sysfs_root);
+  return line.empty() ? std::vector<int>{} : ParseCpuList(line);
+}
+
+int PciNumaNode(const std::string& bus_id, const std::string& sysfs_root) {
+  // strtol, not `in >> node`: a stream's number parsing goes through the process's locale facets, which crashed
+  // (SIGSEGV in codecvt) where another C++ runtime is loaded beside ours (the GPU machine's torch venv).
+  const std::string line = PciAttribute(bus_id, "numa_node", sysfs_root);
+  char* end = nullptr;
+  const long node = std::strtol(line.c_str(), &end, 10);
+  if (end == line.c_str() || *end != 0 || node < 0 || node > INT_MAX) return -1;
+  return static_cast<int>(node);
 }
 
 std::vector<int> OrderNicsForGpu(const std::string& who, const std::string& gpu_bus_id,

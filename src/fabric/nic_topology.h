@@ -45,6 +45,10 @@ std::vector<int> OrderNicsForGpu(const std::string& who, const std::string& gpu_
 // copies stay on the GPU's and NIC's socket.
 std::vector<int> PciLocalCpus(const std::string& bus_id, const std::string& sysfs_root = "/sys");
 
+// The NUMA node of a PCI device (<sysfs_root>/bus/pci/devices/<id>/numa_node); -1 when unknown (no such device, or
+// a machine that does not say: one node, many VMs). A GPU's pinned areas prefer it (numa_memory.h).
+int PciNumaNode(const std::string& bus_id, const std::string& sysfs_root = "/sys");
+
 // "0-3,8,10-11" -> {0,1,2,3,8,10,11}; empty on malformed input.
 std::vector<int> ParseCpuList(const std::string& list);
 

@@ -8,11 +8,9 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 
 #include "common/error.h"
 #include "common/log.h"
-#include "fabric/nic_topology.h"
 
 namespace jax_moe::fabric {
 namespace {
@@ -23,20 +21,6 @@ constexpr unsigned kMpolFNode = 1u << 0, kMpolFAddr = 1u << 1;
 constexpr int kMaxNodes = 1024;  // bits in the node masks below
 
 }  // namespace
-
-int PciNumaNode(const std::string& bus_id, const std::string& sysfs_root) {
-  const std::string id = NormalizePciBusId(bus_id);
-  if (id.empty()) return -1;
-  // getline and strtol, not `in >> node`: a stream's number parsing goes through the process's locale facets, which
-  // crashed (SIGSEGV in codecvt) where another C++ runtime is loaded beside ours (the GPU machine's torch venv).
-  std::ifstream in(sysfs_root + "/bus/pci/devices/" + id + "/numa_node");
-  std::string line;
-  if (!in || !std::getline(in, line)) return -1;
-  char* end = nullptr;
-  const long node = std::strtol(line.c_str(), &end, 10);
-  if (end == line.c_str() || (*end != 0 && *end != '\n') || node < 0 || node >= kMaxNodes) return -1;
-  return static_cast<int>(node);
-}
 
 NumaMemory::NumaMemory(size_t bytes, int node) : node_(node) {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));

@@ -3,13 +3,8 @@
 // Plain Linux calls (mmap, mbind); no libnuma.
 #pragma once
 #include <cstddef>
-#include <string>
 
 namespace jax_moe::fabric {
-
-// The NUMA node of a PCI device (<sysfs_root>/bus/pci/devices/<id>/numa_node); -1 when unknown (no such device, or
-// a machine that does not say: one node, many VMs).
-int PciNumaNode(const std::string& bus_id, const std::string& sysfs_root = "/sys");
 
 // Page-aligned anonymous memory of at least `bytes`, zeroed, preferring NUMA node `node` (-1: the kernel's default
 // placement). The policy is set before the first touch, which is what places a page; pages are touched here, so
