@@ -112,7 +112,17 @@ def main():
     except RuntimeError as e:
         result["error"] = str(e)
     save(d, rank, result)
+    if mode == "overflow" and rank == 1:
+        # Stay connected until the others have given up: a closed endpoint would fail their round-2 writes
+        # ("broken pipe") before their timeout names this rank, and which comes first would be a race.
+        others_done(d, rank, n, deadline=time.monotonic() + 30.0)
     pr.close()
+
+
+def others_done(d, rank, n, deadline):
+    while time.monotonic() < deadline and not all(os.path.exists(os.path.join(d, f"result.{q}"))
+                                                  for q in range(n) if q != rank):
+        time.sleep(0.01)
 
 
 def shared(d, rank, n, provider, rounds):
