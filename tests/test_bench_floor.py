@@ -110,14 +110,16 @@ def test_table_shows_each_floor_its_ratio_and_target_or_why_not():
     cells = rows["dispatch_send"].split()
     assert cells[6:8] == ["10.0", "10.0"] and cells[10] == "100.00" and cells[11] == "NO"  # 1000 > 1.5 * 10 + 10
     assert "(<= 25.0)" in rows["dispatch_send"]
-    assert "both ways" in lines[0] and lines[1].split()[-2:] == ["both", "ways"]
+    assert "both ways" in lines[0] and lines[1].split()[-4:] == ["both", "ways", "x", "both"]
     # both ways: beside the floor of an operation that waits for bytes, not in it; "-" where not measured or a send
     both = floor.rec_floors(rec, ep1, {500: 40.0, 1000: 70.0}, {500: 55.0})
     assert both["dispatch"]["wire_both_ways_us"] == 55.0 and both["dispatch"]["floor_us"] == 50.0
+    assert both["dispatch"]["ratio_both_ways"] == pytest.approx(_rec()["stats"]["dispatch"]["p50"] / (10.0 + 55.0))
     assert "wire_both_ways_us" not in both["combine"] and "wire_both_ways_us" not in both["dispatch_send"]
     rec["floor"] = both
     rows = {line.split()[3]: line for line in floor.table([rec], meta)[2:]}
-    assert rows["dispatch"].split()[-1] == "55.0" and rows["combine"].split()[-1] == "-"
+    want = f'{_rec()["stats"]["dispatch"]["p50"] / 65.0:.2f}'
+    assert rows["dispatch"].split()[-2:] == ["55.0", want] and rows["combine"].split()[-2:] == ["-", "-"]
 
 
 def test_ep1_command_and_environment():

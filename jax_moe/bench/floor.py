@@ -12,6 +12,7 @@ that cannot be measured reads "n/a (why)"; it never costs the run its own result
 
 Beside it, not in it: "both ways", the engine's one-way for the same bytes with both directions loaded at once
 (`bench fabric --exchange`), as the ranks of an all-to-all load them; the floor's one-way loads one direction.
+"x both" is p50 / (EP1 + both ways): how far an operation is from the wire it actually shares.
 """
 from __future__ import annotations
 
@@ -78,6 +79,8 @@ def op_floor(p50: Optional[float], ep1: Union[float, str], wire: Union[tuple[int
                            "wire_one_way_us": wire_us, "target_us": target_us(floor), "p50_us": p50}
     if both_ways_us is not None:
         out["wire_both_ways_us"] = both_ways_us
+        if p50 is not None:
+            out["ratio_both_ways"] = p50 / (float(ep1) + both_ways_us)
     if p50 is not None:
         out["ratio"] = p50 / floor if floor > 0 else None
         out["meets_target"] = p50 <= target_us(floor)
@@ -295,9 +298,9 @@ def table(results: list[dict], meta: dict) -> list[str]:
              f"{fab.get('memory')} memory, registered as {fab.get('registration', 'n/a')}) for the bytes sent to the "
              f"remote rank (send halves: EP1 only, their bytes travel during the receive half); us; target {TARGET}; "
              f"both ways: the same bytes' one-way with both directions loaded at once (bench fabric --exchange), "
-             f"not in FLOOR",
+             f"not in FLOOR; x both: p50 / (EP1 + both ways)",
              f"{'shape':8s} {'T':>5s} {'backend':10s} {'op':13s} {'p50':>9s} {'p99':>9s} {'FLOOR':>9s} {'EP1':>9s} "
-             f"{'one-way':>9s} {'bytes':>9s} {'x floor':>8s}  {'target':17s} {'both ways':>9s}"]
+             f"{'one-way':>9s} {'bytes':>9s} {'x floor':>8s}  {'target':17s} {'both ways':>9s} {'x both':>7s}"]
     for rec in results:
         for op, f in rec.get("floor", {}).items():
             st = rec["stats"][op]
@@ -307,12 +310,13 @@ def table(results: list[dict], meta: dict) -> list[str]:
                 lines.append(f"{row} {'n/a':>9s} ({f['n/a']})")
                 continue
             wire = f["wire_one_way_us"] if WIRE[op] else None
-            ratio = f.get("ratio")
+            ratio, ratio_both = f.get("ratio"), f.get("ratio_both_ways")
             met = f.get("meets_target")
             verdict = "-" if met is None else f"{'yes' if met else 'NO'} (<= {f['target_us']:.1f})"
             lines.append(f"{row} {_num(f['floor_us'])} {_num(f['ep1_p50_us'])} {_num(wire)} "
                          f"{f['wire_bytes'] if WIRE[op] else '-':>9} {'-' if ratio is None else f'{ratio:8.2f}':>8}"
-                         f"  {verdict:17s} {_num(f.get('wire_both_ways_us'))}")
+                         f"  {verdict:17s} {_num(f.get('wire_both_ways_us'))} "
+                         f"{'-' if ratio_both is None else f'{ratio_both:7.2f}':>7}")
     return lines
 
 
