@@ -79,7 +79,7 @@ def op_floor(p50: Optional[float], ep1: Union[float, str], wire: Union[tuple[int
                            "wire_one_way_us": wire_us, "target_us": target_us(floor), "p50_us": p50}
     if both_ways_us is not None:
         out["wire_both_ways_us"] = both_ways_us
-        if p50 is not None:
+        if p50 is not None and float(ep1) + both_ways_us > 0:
             out["ratio_both_ways"] = p50 / (float(ep1) + both_ways_us)
     if p50 is not None:
         out["ratio"] = p50 / floor if floor > 0 else None
