@@ -84,6 +84,23 @@ def test_overlap_bench_across_processes(tmp_path):
     assert all(r["comm_us"] > 0 and r["overlap_us"] > 0 and r["min_step_us"] >= 0 for r in rows)
 
 
+@pytest.mark.multiprocess
+def test_moe_bench_across_processes_on_cpu(tmp_path):
+    """`bench moe --processes 2` on CPU: the "cpu" backend's ranks of the other process go through the proxy, XLA's
+    through jax.distributed's CPU collectives; every rank's stamps are gathered (no array of another process is
+    read), and process 0 writes both backends' rows."""
+    p = subprocess.run([sys.executable, "-m", "jax_moe.bench", "moe", "--backend", "cpu,xla", "--shape", "small",
+                        "--iters", "2", "--warmup", "1", "--processes", "2", "--cpu-devices", "1",
+                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["meta"]["processes"] == 2 and doc["meta"]["ranks"] == 2, doc["meta"]
+    rows = doc["results"]
+    assert sorted(r["backend"] for r in rows) == ["cpu", "xla"], p.stdout[-3000:]
+    for r in rows:
+        assert all(0 < r["stats"][h]["p50"] <= r["stats"][h]["p99"] for h in ("dispatch", "combine")), r
+
+
 def test_overlap_bench_runs_end_to_end_on_cpu(tmp_path):
     """`python -m jax_moe.bench overlap` (issue 14) on the "cpu" backend: dispatch and combine, each alone, the GEMM
     alone, and the GEMM pinned between the halves by barriers: its stamps come in program order (send, GEMM, recv)."""

@@ -59,8 +59,9 @@ def _parse(argv):
                         "proxy and the TransferEngine")
     p.add_argument("--provider", default=None, help="TransferEngine provider between nodes (tcp, shm, efa, verbs)")
     p.add_argument("--processes", type=int, default=1,
-                   help="GPU: run the ranks in this many processes on this host (GPUs shared round-robin; XLA's "
-                        "collectives are skipped where two processes share a GPU, NCCL refuses that)")
+                   help="run the ranks in this many processes on this host (jax.distributed; GPU: GPUs shared "
+                        "round-robin, XLA's collectives skipped where two processes share a GPU, NCCL refuses that; "
+                        "CPU: --cpu-devices ranks per process)")
     floor.add_args(p)
     return p.parse_args(argv)
 
@@ -75,13 +76,13 @@ def main(argv) -> int:
         return rc
     joined = processes.join()
     leader = joined is None or joined[0] == 0
-    shared = joined is not None and joined[1] > joined[2]  # processes share a GPU: no NCCL
     try:  # only takes effect before JAX starts its backends; harmless on GPU machines
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     except RuntimeError:
         pass
     platform = jax.default_backend()
     gpu = platform == "gpu"
+    shared = gpu and joined is not None and joined[1] > joined[2]  # processes share a GPU: no NCCL
     backends = (args.backend or ("cuda,xla,xla-ragged" if gpu else "cpu,xla")).split(",")
     shapes = (args.shape or ("decode,prefill,sweep" if gpu else "small")).split(",")
     iters = args.iters or (1000 if gpu else 20)

@@ -195,10 +195,11 @@ def cpu_run(comm, mesh, inputs, iters, warmup, weights_at_dispatch=True):
         out, _ = _api_iteration(comm, stamp32, x, xs, idx, w, x, weights_at_dispatch=weights_at_dispatch)
         return out, jnp.stack(words)[None]
 
-    f, args = program(body, mesh, inputs, out_specs=(P(axis), P(axis)))
+    f, args = program(body, mesh, inputs, out_specs=(P(axis), P(axis)), place=multihost.place)
     for _ in range(warmup + 1):
         jax.block_until_ready(f(*args))
-    runs = [np.asarray(f(*args)[1]) for _ in range(iters)]  # [iters][n, 6, 2] uint32
+    runs = [f(*args)[1] for _ in range(iters)]
+    runs = [multihost.gather(r) for r in runs]  # [iters][n, 6, 2] uint32, every process's ranks (--processes)
     ns = np.stack(runs, axis=1).astype(np.int64)
     ns = ns[..., 0] | (ns[..., 1] << 32)  # [n, iters, 6]
     d = np.diff(ns, axis=-1) / 1e3  # us: send, recv, expert stand-in, send, recv
