@@ -90,7 +90,7 @@ def test_moe_bench_across_processes_on_cpu(tmp_path):
     through jax.distributed's CPU collectives; every rank's stamps are gathered (no array of another process is
     read), and process 0 writes both backends' rows."""
     p = subprocess.run([sys.executable, "-m", "jax_moe.bench", "moe", "--backend", "cpu,xla", "--shape", "small",
-                        "--iters", "2", "--warmup", "1", "--processes", "2", "--cpu-devices", "1",
+                        "--iters", "2", "--warmup", "1", "--processes", "2", "--cpu-devices", "1", "--provider", "tcp",
                         "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads((tmp_path / "results.json").read_text())

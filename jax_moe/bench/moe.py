@@ -24,6 +24,7 @@ import numpy as np
 
 import jax_moe
 from jax_moe.backends import cuda as cuda_backend
+from jax_moe.communicator import FABRIC_PROVIDERS
 from jax_moe.bench import diagnostics, floor, processes, report
 from jax_moe.bench.programs import make_inputs, count_remote_tokens, count_remote_rows, program, gpu_run, cpu_run
 
@@ -57,7 +58,9 @@ def _parse(argv):
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="cuda: ranks per node (default one node per host); ranks of other nodes go through the host "
                         "proxy and the TransferEngine")
-    p.add_argument("--provider", default=None, help="TransferEngine provider between nodes (tcp, shm, efa, verbs)")
+    p.add_argument("--provider", default=None, choices=FABRIC_PROVIDERS,
+                   help="TransferEngine provider between nodes, or between processes for the cpu backend (tcp, shm, "
+                        "efa, verbs)")
     p.add_argument("--processes", type=int, default=1,
                    help="run the ranks in this many processes on this host (jax.distributed; GPU: GPUs shared "
                         "round-robin, XLA's collectives skipped where two processes share a GPU, NCCL refuses that; "
@@ -149,11 +152,9 @@ def main(argv) -> int:
                     if limit and t * r > limit:
                         print(f"[moe] skip xla-ragged at T={t}: above JAX_MOE_BENCH_RAGGED_MAX_ROWS={limit}")
                         continue
-                else:
-                    options = {}
-                    if native == "cuda":
-                        options = {"ranks_per_node": args.ranks_per_node, "fabric_provider": args.provider}
-                    comm = jax_moe.Communicator(cfg, mesh, "ep", backend=native, **options)
+                else:  # None: the Communicator's defaults
+                    comm = jax_moe.Communicator(cfg, mesh, "ep", backend=native, ranks_per_node=args.ranks_per_node,
+                                                fabric_provider=args.provider)
             except (jax_moe.BackendUnavailable, ValueError) as err:
                 print(f"[moe] skip backend {backend}: {err}")
                 skipped.add(backend)

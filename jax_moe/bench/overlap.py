@@ -30,6 +30,7 @@ import jax_moe
 from jax_moe.backends import cpu as cpu_backend
 from jax_moe.backends import cuda as cuda_backend
 from jax_moe import multihost
+from jax_moe.communicator import FABRIC_PROVIDERS
 from jax_moe.bench import micro_batches, processes
 from jax_moe.bench.moe import SHAPES
 from jax_moe.bench.programs import make_inputs, program
@@ -52,7 +53,8 @@ def _parse(argv):
                    help="run the ranks in this many processes of this host (GPUs shared round-robin), as `bench moe`")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per node: with fewer than all, ranks of other nodes go through the host proxy")
-    p.add_argument("--provider", default=None, help="TransferEngine provider between nodes (tcp, shm, efa, verbs)")
+    p.add_argument("--provider", default=None, choices=FABRIC_PROVIDERS,
+                   help="TransferEngine provider between nodes, or between processes for the cpu backend")
     p.add_argument("--json", default=None, help="also write the results here")
     return p.parse_args(argv)
 
