@@ -156,3 +156,18 @@ def test_the_launcher_loads_cuda_modules_eagerly_unless_told(monkeypatch):
     monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
     processes.launch(["--iters", "1"], 2)
     assert [e["CUDA_MODULE_LOADING"] for e in envs] == ["LAZY", "LAZY"]
+
+
+def test_profiled_writes_a_trace_only_when_asked(tmp_path, monkeypatch):
+    """JAX_MOE_BENCH_PROFILE=DIR: the timed runs are traced by jax.profiler into DIR/p<process>; unset, nothing."""
+    import jax.numpy as jnp
+    from jax_moe.bench import diagnostics
+
+    monkeypatch.delenv("JAX_MOE_BENCH_PROFILE", raising=False)
+    with diagnostics.profiled(0):
+        jnp.ones(4).block_until_ready()
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setenv("JAX_MOE_BENCH_PROFILE", str(tmp_path))
+    with diagnostics.profiled(1):
+        jnp.ones(4).block_until_ready()
+    assert list(tmp_path.glob("p1/**/perfetto_trace.json.gz")), list(tmp_path.rglob("*"))

@@ -1,16 +1,28 @@
 """What `bench moe` reports besides the timings: the host proxies' view of the rounds, the cuda backend's device
-trace (JAX_MOE_CUDA_TRACE=1), and the GPU's copy and host-read bandwidths."""
+trace (JAX_MOE_CUDA_TRACE=1), the GPU's copy and host-read bandwidths, and on request a profile of the timed runs
+(JAX_MOE_BENCH_PROFILE=DIR: jax.profiler's trace, every kernel and copy on the GPU, one folder per process)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from typing import Optional
+from typing import ContextManager, Optional
 
 import jax
 import numpy as np
 
 from jax_moe import multihost
 from jax_moe.backends.native import native_module
+
+
+def profiled(process: int) -> ContextManager:
+    """Around a timed run: jax.profiler's trace into $JAX_MOE_BENCH_PROFILE/p<process> (perfetto_trace.json.gz beside
+    XLA's own files) where that is set, else nothing. The device trace records one kernel per half; this shows every
+    kernel of a half (across nodes a send half is a pack kernel and a send kernel) and the gaps between them."""
+    where = os.environ.get("JAX_MOE_BENCH_PROFILE")
+    if not where:
+        return contextlib.nullcontext()
+    return jax.profiler.trace(os.path.join(where, f"p{process}"), create_perfetto_trace=True)
 
 
 def fabric_breakdown(comm, rounds: int) -> Optional[dict]:

@@ -162,8 +162,9 @@ def main(argv) -> int:
             started = time.perf_counter()
             try:
                 if gpu:
-                    samples = gpu_run(backend, comm, mesh, n, l, inputs, its, min(args.unroll, its),
-                                       args.warmup)
+                    with diagnostics.profiled(0 if joined is None else joined[0]):
+                        samples = gpu_run(backend, comm, mesh, n, l, inputs, its, min(args.unroll, its),
+                                           args.warmup)
                     if backend != "xla-ragged":
                         # Totals without the stamps between the halves (each stamp is one more custom call on
                         # the stream); the halves stay from the split run.
