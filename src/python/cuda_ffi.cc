@@ -139,9 +139,7 @@ void RegisterCuda(nb::module_& m) {
       "id"_a, "ordinal"_a, "provider"_a, "memory"_a, "held"_a,
       "For a device with ranks on other nodes: its engine, areas (memory: \"auto\", \"device\", \"host\", "
       "\"staged\"; held: the plain handlers, which hold the host back, will launch its rounds, so \"auto\" may stage) "
-      "and host "
-      "proxy. Returns (engine address, [receive "
-      "area descriptor per stream]).");
+      "and host proxy. Returns (engine address, [receive area descriptor per stream]).");
   cuda.def(
       "connect_fabric",
       [](int64_t id, int ordinal, const std::vector<std::tuple<int, nb::bytes, std::vector<nb::bytes>>>& peers) {
