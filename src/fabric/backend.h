@@ -37,6 +37,7 @@ struct WriteRequest {
   bool has_imm = false;
   uint32_t imm = 0;             // user value
   uint32_t sender_peer_id = 0;  // the peer id the receiver knows us by (encoded as imm_mode() says)
+  bool host_to_host = false;    // both ends are host memory (neither registered as GPU memory)
 };
 
 struct Completion {
@@ -66,6 +67,8 @@ class Backend {
   // How the sender is identified (imm.h); decides the largest user immediate.
   virtual ImmMode imm_mode() const = 0;
   uint32_t max_imm() const { return imm_mode() == ImmMode::kPacked ? kMaxPackedImm : kMaxWideImm; }
+  // Writes posted as their bytes, then a zero-byte notice (ofi/notice_apart.h).
+  virtual uint64_t notices_apart() const { return 0; }
 
   // Throws kUnavailable when the transport cannot register this kind of memory, naming why.
   virtual std::unique_ptr<BackendRegion> Register(void* ptr, uint64_t nbytes, const MemorySpec& mem) = 0;
@@ -82,7 +85,8 @@ class Backend {
   // which must not depend on the connection they set up (verbs sends them over UD, the rest over RC).
   virtual bool PostSend(int nic, uint64_t dest, const void* buf, size_t len, void* context, bool bootstrap) = 0;
   virtual void PostRecv(int nic, void* buf, size_t len, void* context) = 0;
-  // Appends up to `max` completions of NIC `nic`; returns how many.
+  // Appends up to `max` completions of NIC `nic`; returns how many it handled (appended, and any the backend
+  // consumed itself: nonzero means progress).
   virtual size_t Poll(int nic, std::vector<Completion>* out, size_t max) = 0;
 };
 

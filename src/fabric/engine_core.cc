@@ -118,6 +118,7 @@ EngineStats EngineCore::Stats() const {
   s.writes_posted = writes_posted_.load();
   s.write_errors = write_errors_.load();
   for (const auto& c : imms_per_nic_) s.imms_per_nic.push_back(c.load());
+  s.notices_apart = notices_apart_.load(std::memory_order_relaxed);
   const double ns = profile_.NsPerTick();
   s.progress_passes = profile_.passes.load(std::memory_order_relaxed);
   s.progress_ns = ns * double(profile_.pass_ticks.load(std::memory_order_relaxed));

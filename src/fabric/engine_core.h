@@ -220,6 +220,7 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
 
   ImmCounter imms_;
   std::atomic<uint64_t> writes_posted_{0};
+  std::atomic<uint64_t> notices_apart_{0};  // the backend's count, copied by the progress thread after posting
   std::atomic<uint64_t> writes_completed_{0};
   std::atomic<uint64_t> write_errors_{0};
   std::vector<std::atomic<uint64_t>> imms_per_nic_;

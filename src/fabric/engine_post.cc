@@ -170,6 +170,8 @@ void EngineCore::Scatter(uint32_t set, const MemoryRegion* src, const uint64_t* 
       const void* base = zero_byte ? nullptr : src->data();
       void* desc = zero_byte ? nullptr : local->descs[t.nic];
       PatchWrite(t, base, desc, so, len, doff, imm, nullptr, &writes[i].req);
+      writes[i].req.host_to_host = !zero_byte && local->how == Registration::kHost &&
+                                   !(ps.regions[i].flags & RegionDescriptor::kFlagDevice);
       writes[i].nic = t.nic;
       writes[i].peer = t.peer;
       writes[i].set_in_flight = ps.in_flight;
@@ -221,6 +223,8 @@ void EngineCore::Write(uint32_t peer, const MemoryRegion& src, uint64_t src_offs
     t.imm_peer_id = p.remote_peer_id;
     PatchWrite(t, src.data(), it->second.region->descs[p.nic], src_offset, length, dst_offset, imm, nullptr,
                &writes[0].req);
+    writes[0].req.host_to_host =
+        it->second.region->how == Registration::kHost && !(dst.flags & RegionDescriptor::kFlagDevice);
     writes[0].nic = p.nic;
     writes[0].peer = peer;
     if (counted_in) {
@@ -299,6 +303,7 @@ bool EngineCore::PostPending() {
           return PostOutcome::kDone;
         }
       });
+  notices_apart_.store(backend_->notices_apart(), std::memory_order_relaxed);
   return progressed;
 }
 

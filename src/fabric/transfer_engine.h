@@ -105,6 +105,7 @@ struct EngineStats {
   uint64_t writes_completed = 0;
   uint64_t write_errors = 0;
   std::vector<uint64_t> imms_per_nic;  // immediates received on each NIC
+  uint64_t notices_apart = 0;          // writes posted as their bytes, then a zero-byte notice (ofi/notice_apart.h)
   // The progress thread: passes made, and ns spent in them (naps excluded), in all and per phase.
   uint64_t progress_passes = 0;
   double progress_ns = 0, poll_ns = 0, hooks_ns = 0, post_ns = 0;

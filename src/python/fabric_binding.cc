@@ -192,6 +192,7 @@ void RegisterFabric(nb::module_& m) {
              d["writes_completed"] = st.writes_completed;
              d["write_errors"] = st.write_errors;
              d["imms_per_nic"] = st.imms_per_nic;
+             d["notices_apart"] = st.notices_apart;
              d["progress_passes"] = st.progress_passes;
              d["progress_ns"] = st.progress_ns;
              d["poll_ns"] = st.poll_ns;

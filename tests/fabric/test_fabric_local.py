@@ -387,3 +387,55 @@ def test_writes_of_a_destroyed_peer_set_are_dropped_not_posted(pair):
     ps = a.peer_set([p], [mb.descriptor()])
     a.scatter(ps, ma, [0], [64], [0], 8)
     b.wait_imm(8, 1, 5)
+
+
+@pytest.mark.skipif("shm" not in AVAILABLE, reason="libfabric shm provider not available")
+@pytest.mark.parametrize("apart", ["default", "0"])
+def test_shm_notice_follows_its_bytes(monkeypatch, apart):
+    """shm: a write with a notice goes as its bytes, then a zero-byte notice once they completed, so that the sender
+    copies them (ofi/notice_apart.h); the receiver finds every byte of the round when the notice arrives, whatever
+    protocol shm picks for the size (inline, inject, CMA), round after round into the same place. A zero-byte barrier
+    stays one write. JAX_MOE_FABRIC_NOTICE_APART=0 keeps the notice in the write."""
+    if apart == "0":
+        monkeypatch.setenv("JAX_MOE_FABRIC_NOTICE_APART", "0")
+    else:
+        monkeypatch.delenv("JAX_MOE_FABRIC_NOTICE_APART", raising=False)
+    rng = np.random.default_rng()
+    a, b = fabric.TransferEngine("shm"), fabric.TransferEngine("shm")
+    try:
+        size = 1 << 21
+        src, dst = np.zeros(size, np.uint8), np.zeros(size, np.uint8)
+        ma, mb = a.register(src), b.register(dst)
+        p = a.connect(b.address(), 10)
+        ps = a.peer_set([p], [mb.descriptor()])
+        writes = 0
+        for round_ in range(40):
+            n = int(rng.choice([1, 100, 4096, 4097, 65536, size]))
+            src[:n] = rng.integers(0, 256, n, dtype=np.uint8)
+            imm = 100 + round_
+            if round_ % 2:
+                a.write(p, ma, 0, n, mb.descriptor(), 0, imm=imm)
+            else:
+                a.scatter(ps, ma, [0], [n], [0], imm)
+            writes += 1
+            b.wait_imm(imm, 1, 10)
+            assert np.array_equal(dst[:n], src[:n]), (round_, n)
+            a.wait_sends(10)
+        a.barrier(ps, 7)
+        b.wait_imm(7, 1, 10)
+        a.wait_sends(10)
+        assert a.stats()["notices_apart"] == (writes if apart == "default" else 0)
+        assert a.stats()["write_errors"] == 0 and b.stats()["notices_apart"] == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_tcp_keeps_the_notice_in_the_write(pair):
+    a, b = pair
+    src, dst = np.arange(4096, dtype=np.uint8), np.zeros(4096, np.uint8)
+    ma, mb = a.register(src), b.register(dst)
+    p = a.connect(b.address(), 10)
+    a.write(p, ma, 0, 4096, mb.descriptor(), 0, imm=5)
+    b.wait_imm(5, 1, 10)
+    assert np.array_equal(dst, src) and a.stats()["notices_apart"] == 0

@@ -24,6 +24,7 @@
 #include "common/log.h"
 #include "fabric/backend.h"
 #include "fabric/nic_topology.h"
+#include "fabric/ofi/notice_apart.h"
 #include "fabric/ofi/ofi_util.h"
 
 namespace jax_moe::fabric {
@@ -140,6 +141,10 @@ class OfiBackend final : public Backend {
     } else {
       imm_mode_ = ImmMode::kPacked;
     }
+    // shm copies a write with CQ data on the receiver's progress, one without on the sender's (notice_apart.h).
+    // $JAX_MOE_FABRIC_NOTICE_APART: "0" keeps the notice in the write (to measure the difference).
+    const char* apart = std::getenv("JAX_MOE_FABRIC_NOTICE_APART");
+    notice_apart_ = provider_ == "shm" && (apart == nullptr || std::string(apart) != "0");
     JAX_MOE_LOG(kInfo, "ofi: provider %s, domain %s, mr_mode 0x%llx, NICs %d", info->fabric_attr->prov_name,
                 info->domain_attr->name, static_cast<unsigned long long>(mr_mode_), int(num_nics));
   }
@@ -155,6 +160,7 @@ class OfiBackend final : public Backend {
   uint64_t max_write_bytes() const override { return max_msg_; }
   bool supports_device_memory() const override { return hmem_; }
   ImmMode imm_mode() const override { return imm_mode_; }
+  uint64_t notices_apart() const override { return notices_apart_count_; }
 
   std::string FormatAddress(int nic, const std::string& raw) const override {
     char buf[256];
@@ -215,10 +221,11 @@ class OfiBackend final : public Backend {
       msg.rma_iov = &rma;
       msg.rma_iov_count = 1;
       msg.context = w.context;
-      switch (imm_mode_) {
-        case ImmMode::kWide: msg.data = (static_cast<uint64_t>(w.sender_peer_id) << 32) | w.imm; break;
-        case ImmMode::kSource: msg.data = w.imm; break;
-        case ImmMode::kPacked: msg.data = EncodeImm(w.sender_peer_id, w.imm); break;
+      msg.data = CqData(w);
+      if (notice_apart_ && w.has_imm && w.length > 0 && w.host_to_host) {
+        if (!nics_[nic]->notices.PostBytes(ep, w, msg.data)) return i;
+        ++notices_apart_count_;
+        continue;
       }
       ssize_t rc = fi_writemsg(ep, &msg, FI_COMPLETION | (w.has_imm ? FI_REMOTE_CQ_DATA : 0));
       if (rc == -FI_EAGAIN) return i;
@@ -248,28 +255,36 @@ class OfiBackend final : public Backend {
   }
 
   size_t Poll(int nic, std::vector<Completion>* out, size_t max) override {
-    fid_cq* cq = nics_[nic]->cq.get();
+    Nic& n = *nics_[nic];
+    fid_cq* cq = n.cq.get();
+    const size_t before = out->size();
+    size_t consumed = 0;  // completions of notice_apart's bytes, handled here
     fi_cq_data_entry entries[64];
     fi_addr_t sources[64];
     const size_t want = std::min<size_t>(max, 64);
     ssize_t rc = imm_mode_ == ImmMode::kSource ? fi_cq_readfrom(cq, entries, want, sources) : fi_cq_read(cq, entries, want);
-    if (rc == -FI_EAGAIN) return 0;
+    if (rc == -FI_EAGAIN) return PostNotices(n, out, before, consumed);
     if (rc == -FI_EAVAIL) {
       fi_cq_err_entry err{};
       ssize_t erc = fi_cq_readerr(cq, &err, 0);
-      if (erc < 0) return 0;
+      if (erc < 0) return PostNotices(n, out, before, consumed);
       Completion c;
       c.kind = Completion::kError;
-      c.context = err.op_context;
+      c.context = n.notices.Owns(err.op_context) ? n.notices.OnBytes(err.op_context, false) : err.op_context;
       const char* prov = fi_cq_strerror(cq, err.prov_errno, err.err_data, nullptr, 0);
       c.error = std::string("completion error: ") + fi_strerror(err.err) + (prov ? std::string(" (") + prov + ")" : "");
       ReleaseMsgDesc(err.op_context);
       out->push_back(std::move(c));
-      return 1;
+      return PostNotices(n, out, before, consumed);
     }
     Check(rc, "fi_cq_read");
     for (ssize_t i = 0; i < rc; ++i) {
       const fi_cq_data_entry& e = entries[i];
+      if (n.notices.Owns(e.op_context)) {
+        n.notices.OnBytes(e.op_context, true);
+        ++consumed;
+        continue;
+      }
       Completion c;
       if ((e.flags & FI_REMOTE_CQ_DATA) && (e.flags & (FI_REMOTE_WRITE | FI_RMA)) && !(e.flags & FI_MSG)) {
         c.kind = Completion::kImm;
@@ -303,7 +318,7 @@ class OfiBackend final : public Backend {
       }
       out->push_back(c);
     }
-    return static_cast<size_t>(rc);
+    return PostNotices(n, out, before, consumed);
   }
 
  private:
@@ -316,6 +331,7 @@ class OfiBackend final : public Backend {
     Fid<fid_ep> ep;
     std::string address;
     std::unordered_map<fi_addr_t, uint32_t> peer_of;  // for FI_SOURCE: sender address -> engine peer
+    NoticeApart notices;                              // writes whose notice follows their bytes (notice_apart_)
     ~Nic() {
       // Endpoint first, then what it is bound to.
       ep.reset();
@@ -325,6 +341,22 @@ class OfiBackend final : public Backend {
       fabric.reset();
     }
   };
+
+  uint64_t CqData(const WriteRequest& w) const {
+    switch (imm_mode_) {
+      case ImmMode::kWide: return (static_cast<uint64_t>(w.sender_peer_id) << 32) | w.imm;
+      case ImmMode::kSource: return w.imm;
+      case ImmMode::kPacked: return EncodeImm(w.sender_peer_id, w.imm);
+    }
+    return 0;
+  }
+
+  // Posts the notices whose bytes are done (those refused by a full queue wait for the next poll); returns what this
+  // poll handled.
+  size_t PostNotices(Nic& n, std::vector<Completion>* out, size_t before, size_t consumed) {
+    if (n.notices.queued() > 0) n.notices.PostNotices(n.ep.get(), out);
+    return out->size() - before + consumed;
+  }
 
   void Open(const fi_info* device) {
     auto nic = std::make_unique<Nic>();
@@ -465,6 +497,8 @@ class OfiBackend final : public Backend {
   uint64_t mr_mode_ = 0;
   uint64_t max_msg_ = 0;
   bool hmem_ = false;
+  bool notice_apart_ = false;  // NoticeApart for host-to-host writes with a notice (shm; see notice_apart.h)
+  uint64_t notices_apart_count_ = 0;
   ImmMode imm_mode_ = ImmMode::kPacked;
   uint64_t next_key_ = 1;
   std::map<std::pair<void*, int>, fid_mr*> msg_mrs_;

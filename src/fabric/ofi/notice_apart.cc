@@ -1,0 +1,95 @@
+#include "fabric/ofi/notice_apart.h"
+
+#include <rdma/fi_errno.h>
+
+#include "fabric/ofi/ofi_util.h"
+
+namespace jax_moe::fabric::ofi {
+
+namespace {
+
+// One write of `len` bytes from `local` with `flags`; returns fi_writemsg's code.
+ssize_t WriteMsg(fid_ep* ep, const void* local, uint64_t len, void* desc, uint64_t dest, uint64_t remote_addr,
+                 uint64_t rkey, uint64_t data, void* context, uint64_t flags) {
+  iovec iov{const_cast<void*>(local), len};
+  fi_rma_iov rma{remote_addr, len, rkey};
+  fi_msg_rma msg{};
+  msg.msg_iov = &iov;
+  msg.desc = &desc;
+  msg.iov_count = 1;
+  msg.addr = dest;
+  msg.rma_iov = &rma;
+  msg.rma_iov_count = 1;
+  msg.context = context;
+  msg.data = data;
+  return fi_writemsg(ep, &msg, flags);
+}
+
+}  // namespace
+
+NoticeApart::Bytes* NoticeApart::Take() {
+  if (free_.empty()) {
+    all_.push_back(std::make_unique<Bytes>());
+    return all_.back().get();
+  }
+  Bytes* b = free_.back();
+  free_.pop_back();
+  return b;
+}
+
+void NoticeApart::Give(Bytes* b) {
+  *b = Bytes{};
+  free_.push_back(b);
+}
+
+bool NoticeApart::PostBytes(fid_ep* ep, const WriteRequest& w, uint64_t data) {
+  Bytes* b = Take();
+  b->context = w.context;
+  b->dest = w.dest;
+  b->remote_addr = w.remote_addr;  // the notice names the bytes' start, zero bytes long
+  b->rkey = w.rkey;
+  b->data = data;
+  const ssize_t rc = WriteMsg(ep, w.local, w.length, w.local_desc, w.dest, w.remote_addr, w.rkey, 0, b, FI_COMPLETION);
+  if (rc == 0) {
+    out_.insert(b);
+    return true;
+  }
+  Give(b);
+  if (rc == -FI_EAGAIN) return false;
+  Check(rc, "fi_writemsg(bytes)");
+  return false;
+}
+
+bool NoticeApart::Owns(const void* context) const { return context != nullptr && out_.count(context) != 0; }
+
+void* NoticeApart::OnBytes(void* context, bool ok) {
+  Bytes* b = static_cast<Bytes*>(context);
+  out_.erase(b);
+  if (ok) {
+    notices_.push_back(b);
+    return nullptr;
+  }
+  void* own = b->context;
+  Give(b);
+  return own;
+}
+
+void NoticeApart::PostNotices(fid_ep* ep, std::vector<Completion>* failed) {
+  while (!notices_.empty()) {
+    Bytes* b = notices_.front();
+    const ssize_t rc = WriteMsg(ep, nullptr, 0, nullptr, b->dest, b->remote_addr, b->rkey, b->data, b->context,
+                                FI_COMPLETION | FI_REMOTE_CQ_DATA);
+    if (rc == -FI_EAGAIN) return;
+    notices_.pop_front();
+    if (rc != 0) {
+      Completion c;
+      c.kind = Completion::kError;
+      c.context = b->context;
+      c.error = std::string("posting the arrival notice of a write: fi_writemsg: ") + fi_strerror(static_cast<int>(-rc));
+      failed->push_back(std::move(c));
+    }
+    Give(b);
+  }
+}
+
+}  // namespace jax_moe::fabric::ofi
