@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,3 +172,35 @@ def test_profiled_writes_a_trace_only_when_asked(tmp_path, monkeypatch):
     with diagnostics.profiled(1):
         jnp.ones(4).block_until_ready()
     assert list(tmp_path.glob("p1/**/perfetto_trace.json.gz")), list(tmp_path.rglob("*"))
+
+
+def test_kernel_table_reads_the_gpu_rows_of_a_perfetto_trace(tmp_path):
+    """kernel_table: the GPU process's complete events by short name (namespaces, templates, parameters dropped),
+    p50 / p99 duration, the host's events left out."""
+    import gzip
+    import json
+
+    from jax_moe.bench import diagnostics
+
+    rng = np.random.default_rng()
+    pack = rng.uniform(10, 30, 9)
+    events = [{"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+              {"ph": "X", "pid": 1, "name": "PjitFunction(body)", "dur": 999.0}]
+    events += [{"ph": "X", "pid": 7, "ts": i, "dur": float(d), "name": "void jax_moe::cuda::(anonymous namespace)::"
+                "DispatchPackKernel(jax_moe::cuda::KernelArgs, int)"} for i, d in enumerate(pack)]
+    events += [{"ph": "X", "pid": 7, "ts": 50, "dur": 2.0, "name": "MemcpyDtoH"}]
+    (tmp_path / "p0" / "x").mkdir(parents=True)
+    with gzip.open(tmp_path / "p0" / "x" / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    table = diagnostics.kernel_table(str(tmp_path / "p0")).splitlines()
+    assert len(table) == 3 and "Pjit" not in "".join(table)
+    name, count, p50, _ = table[1].split()
+    assert (name, int(count)) == ("DispatchPackKernel", 9) and abs(float(p50) - np.percentile(pack, 50)) < 0.06
+    assert table[2].split()[:2] == ["MemcpyDtoH", "1"]
+    assert len(diagnostics.kernel_table(str(tmp_path / "p0"), rows=1).splitlines()) == 2
+    assert "no GPU activity" in diagnostics.kernel_table(str(tmp_path / "empty"))
+    (tmp_path / "cpu").mkdir()
+    with gzip.open(tmp_path / "cpu" / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events[1:3]}, f)  # a host-only trace
+    assert "no GPU activity" in diagnostics.kernel_table(str(tmp_path / "cpu"))

@@ -17,12 +17,53 @@ from jax_moe.backends.native import native_module
 
 def profiled(process: int) -> ContextManager:
     """Around a timed run: jax.profiler's trace into $JAX_MOE_BENCH_PROFILE/p<process> (perfetto_trace.json.gz beside
-    XLA's own files) where that is set, else nothing. The device trace records one kernel per half; this shows every
-    kernel of a half (across nodes a send half is a pack kernel and a send kernel) and the gaps between them."""
+    XLA's own files) where that is set, else nothing; then prints the GPU's kernels and copies by duration
+    (kernel_table). The device trace records one kernel per half; this shows every kernel of a half (across nodes a
+    send half is a pack kernel and a send kernel)."""
     where = os.environ.get("JAX_MOE_BENCH_PROFILE")
     if not where:
         return contextlib.nullcontext()
-    return jax.profiler.trace(os.path.join(where, f"p{process}"), create_perfetto_trace=True)
+    return _profiled(os.path.join(where, f"p{process}"))
+
+
+@contextlib.contextmanager
+def _profiled(folder: str):
+    with jax.profiler.trace(folder, create_perfetto_trace=True):
+        yield
+    print(f"[moe] GPU activity of the timed runs ({folder}):\n{kernel_table(folder)}", flush=True)
+
+
+def _short_name(name: str) -> str:
+    """A kernel's name without namespaces, template arguments or parameters."""
+    name = name.replace("(anonymous namespace)::", "").removeprefix("void ")
+    for stop in ("(", "<"):
+        name = name.split(stop, 1)[0]
+    return name.rsplit("::", 1)[-1].strip() or "?"
+
+
+def kernel_table(folder: str, rows: int = 16) -> str:
+    """The GPU's activities (kernels, copies) in the perfetto traces under `folder`, by short name: count, p50 and p99
+    duration in us; the `rows` with the most time in all."""
+    import glob
+    import gzip
+    import json
+
+    durs: dict[str, list[float]] = {}
+    for path in glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True):
+        with gzip.open(path, "rt") as f:
+            events = json.load(f).get("traceEvents", [])
+        gpu = {e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+               and "GPU" in str(e.get("args", {}).get("name", ""))}
+        for e in events:
+            if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
+                durs.setdefault(_short_name(str(e.get("name", ""))), []).append(float(e["dur"]))
+    if not durs:
+        return "  (no GPU activity in the trace)"
+    lines = [f"  {'activity':40s} {'count':>6s} {'p50 us':>9s} {'p99 us':>9s}"]
+    for name, d in sorted(durs.items(), key=lambda kv: -sum(kv[1]))[:rows]:
+        a = np.asarray(d)
+        lines.append(f"  {name[:40]:40s} {a.size:6d} {np.percentile(a, 50):9.1f} {np.percentile(a, 99):9.1f}")
+    return "\n".join(lines)
 
 
 def fabric_breakdown(comm, rounds: int) -> Optional[dict]:
