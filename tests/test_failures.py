@@ -33,6 +33,9 @@ def test_a_dead_or_silent_process_is_named_within_the_timeout(provider, mode):
         assert re.search(r"rank 1 \(process 1 on host [^)]+\)", out), out[-2000:]
         assert "DEADLINE_EXCEEDED" in out, out[-2000:]
         assert "rounds of one Communicator in flight" not in out, out[-2000:]  # no misleading hint
+        # A write to the dead peer fails once, not once per progress pass (libfabric 2.x's shm answers a failed copy
+        # with an error completion and -FI_EAGAIN: ofi/notice_apart.h).
+        assert out.count("completion error on NIC") <= 8, out[-2000:]
 
 
 @pytest.mark.multiprocess

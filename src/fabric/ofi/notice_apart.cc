@@ -2,6 +2,7 @@
 
 #include <rdma/fi_errno.h>
 
+#include "common/error.h"
 #include "fabric/ofi/ofi_util.h"
 
 namespace jax_moe::fabric::ofi {
@@ -43,6 +44,10 @@ void NoticeApart::Give(Bytes* b) {
 }
 
 bool NoticeApart::PostBytes(fid_ep* ep, const WriteRequest& w, uint64_t data) {
+  if (auto it = dead_.find(w.dest); it != dead_.end()) {
+    Throw(ErrorCode::kPeerFailed, "shm could not copy into the peer's memory (" + it->second +
+                                      "): its process is probably gone");
+  }
   Bytes* b = Take();
   b->context = w.context;
   b->dest = w.dest;
@@ -52,10 +57,14 @@ bool NoticeApart::PostBytes(fid_ep* ep, const WriteRequest& w, uint64_t data) {
   const ssize_t rc = WriteMsg(ep, w.local, w.length, w.local_desc, w.dest, w.remote_addr, w.rkey, 0, b, FI_COMPLETION);
   if (rc == 0) {
     out_.insert(b);
+    if (refused_ == w.dest) refused_ = kNoDest;
     return true;
   }
   Give(b);
-  if (rc == -FI_EAGAIN) return false;
+  if (rc == -FI_EAGAIN) {
+    refused_ = w.dest;
+    return false;
+  }
   Check(rc, "fi_writemsg(bytes)");
   return false;
 }
@@ -72,6 +81,13 @@ void* NoticeApart::OnBytes(void* context, bool ok) {
   void* own = b->context;
   Give(b);
   return own;
+}
+
+bool NoticeApart::OnStrayError(const std::string& why) {
+  if (refused_ == kNoDest) return false;
+  dead_.emplace(refused_, why);
+  refused_ = kNoDest;
+  return true;
 }
 
 void NoticeApart::PostNotices(fid_ep* ep, std::vector<Completion>* failed) {

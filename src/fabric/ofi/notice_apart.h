@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -38,6 +40,11 @@ class NoticeApart {
   // appended to `failed` as a kError completion of its write.
   void PostNotices(fid_ep* ep, std::vector<Completion>* failed);
   size_t queued() const { return notices_.size(); }
+  // An error completion without a context (`why`): libfabric 2.x's shm reports a failed sender-side copy (the peer's
+  // process is gone) that way and answers the post with -FI_EAGAIN, so the write would be retried and fail pass after
+  // pass. It is taken as the failure of the destination last refused, whose writes then throw kPeerFailed instead.
+  // Returns whether it was so taken.
+  bool OnStrayError(const std::string& why);
 
  private:
   struct Bytes {
@@ -51,6 +58,9 @@ class NoticeApart {
   std::vector<std::unique_ptr<Bytes>> all_;
   std::vector<Bytes*> free_;
   std::unordered_set<const void*> out_;  // bytes posted, not yet complete
+  static constexpr uint64_t kNoDest = ~uint64_t{0};
+  uint64_t refused_ = kNoDest;            // the destination whose last bytes were refused (-FI_EAGAIN)
+  std::unordered_map<uint64_t, std::string> dead_;  // destinations a copy into failed, and how
   std::deque<Bytes*> notices_;           // bytes complete, notice not yet posted (oldest first)
 };
 

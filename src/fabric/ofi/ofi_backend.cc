@@ -273,6 +273,7 @@ class OfiBackend final : public Backend {
       c.context = n.notices.Owns(err.op_context) ? n.notices.OnBytes(err.op_context, false) : err.op_context;
       const char* prov = fi_cq_strerror(cq, err.prov_errno, err.err_data, nullptr, 0);
       c.error = std::string("completion error: ") + fi_strerror(err.err) + (prov ? std::string(" (") + prov + ")" : "");
+      if (c.context == nullptr) n.notices.OnStrayError(c.error);
       ReleaseMsgDesc(err.op_context);
       out->push_back(std::move(c));
       return PostNotices(n, out, before, consumed);
