@@ -1,6 +1,6 @@
 // The kernels of ranks on other nodes (regions the host proxy moves; layout in moe_layout.h, "ranks on other
-// nodes"): dispatch_send's packing of their regions, and combine_recv's index of where each entry's row sits in the
-// region its expert's rank returned. Launched next to the NVLink kernels of the same half, only when the
+// nodes"): dispatch_send's index and packing of their regions, and combine_recv's index of where each entry's row
+// sits in the region its expert's rank returned. Launched next to the NVLink kernels of the same half, only when the
 // Communicator has remote ranks.
 #include "kernels/fabric_kernels.h"
 
@@ -21,7 +21,8 @@ __device__ __forceinline__ int RemoteRank(const KernelArgs& a, int i) {
 }
 
 // Entries per local expert of rank p (first occurrences of valid ids, like every half), into cnt[l] (zeroed here),
-// and their exclusive prefix into off[l + 1]. Ends with a barrier.
+// and their exclusive prefix into off[l + 1]. Ends with a barrier. Every block of combine_recv's per-entry index runs
+// it (rows returned per entry: only on channel 0, which sizes its regions for them).
 __device__ void CountEntries(const KernelArgs& a, int p, int tokens, const int32_t* idx, int* cnt, int* off) {
   const MoeShape& s = a.s;
   const int r = s.experts_per_token, l = s.local_experts;
@@ -58,40 +59,104 @@ __device__ void ForEachTokenOf(int g, int tokens, int r, const int32_t* idx, int
   }
 }
 
+// Threads of the index kernels: one block per remote rank numbers all its tokens with one block-wide scan.
+constexpr int kIndexThreads = 1024;
+
+// The exclusive prefix of v over the block's threads, in thread order; *total gets the sum (in every thread). Every
+// thread calls it (barriers); `sums` is shared scratch of one int per warp; blockDim.x is a multiple of 32.
+__device__ int BlockExclusiveSum(int v, int* sums, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int inc = v;
+  for (int d = 1; d < 32; d <<= 1) {
+    const int u = __shfl_up_sync(0xffffffffu, inc, d);
+    if (lane >= d) inc += u;
+  }
+  if (lane == 31) sums[warp] = inc;
+  __syncthreads();
+  int before = 0, all = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) {
+    const int c = sums[w];
+    before += w < warp ? c : 0;
+    all += c;
+  }
+  __syncthreads();  // `sums` may be reused at once
+  *total = all;
+  return before + inc - v;
+}
+
+// Token t's entries on rank p: bit k for each k whose expert is valid, first in t's row and on p (R <= 32).
+__device__ __forceinline__ unsigned EntriesOn(const MoeShape& s, int p, const int32_t* row) {
+  unsigned ks = 0;
+  for (int k = 0; k < s.experts_per_token; ++k) {
+    const int g = SentExpert(row, k, s.num_experts);
+    if (g >= 0 && g / s.local_experts == p) ks |= 1u << k;
+  }
+  return ks;
+}
+
 // Numbers the tokens with an entry on rank p in token order: their slots in p's region, as dispatch sends them and
-// combine returns them (both kernels below must agree). Calls at(t, slot, ks) for every t < tokens: slot -1 if p gets
-// none of t, ks the bits of t's entries on p (R <= 32). Every thread of the block calls it; returns the slots.
+// combine returns them (both index kernels below call it, so they agree). Thread i takes the run of tokens
+// [i * run, (i + 1) * run), so one block-wide scan numbers them all. Calls at(t, slot, ks) for every t < tokens: slot
+// -1 if p gets none of t, ks its entries on p. Every thread of the block calls it; returns the slots.
 template <typename At>
-__device__ int ForEachSlotOf(const MoeShape& s, int p, int tokens, const int32_t* idx, int* warp_count, At at) {
-  const int r = s.experts_per_token, l = s.local_experts;
+__device__ int ForEachSlotOf(const MoeShape& s, int p, int tokens, const int32_t* idx, int* sums, At at) {
+  const int r = s.experts_per_token;
+  const int run = (tokens + static_cast<int>(blockDim.x) - 1) / static_cast<int>(blockDim.x);
+  const int t0 = min(tokens, static_cast<int>(threadIdx.x) * run), t1 = min(tokens, t0 + run);
+  int mine = 0;
+  for (int t = t0; t < t1; ++t) mine += EntriesOn(s, p, idx + static_cast<size_t>(t) * r) != 0;
   int slots = 0;
-  for (int base = 0; base < tokens; base += kThreads) {
-    const int t = base + threadIdx.x;
-    unsigned ks = 0;
-    if (t < tokens) {
-      for (int k = 0; k < r; ++k) {
-        const int g = SentExpert(idx + static_cast<size_t>(t) * r, k, s.num_experts);
-        if (g >= 0 && g / l == p) ks |= 1u << k;
-      }
-    }
-    const int i = BlockRank(ks != 0, warp_count, slots);
-    if (t < tokens) at(t, i, ks);
+  int next = BlockExclusiveSum(mine, sums, &slots);
+  for (int t = t0; t < t1; ++t) {
+    const unsigned ks = EntriesOn(s, p, idx + static_cast<size_t>(t) * r);
+    at(t, ks != 0 ? next++ : -1, ks);
   }
   return slots;
 }
 
-// Block (i, b) of `per_rank` serves the i-th remote rank p. Each block derives p's slot of every token and the list
-// offsets of p's experts itself (one pass over topk_idx), so no block waits for another; block b then writes the lists
-// of p's experts b, b + per_rank, ... and the records of tokens b * kWarps + warp, ... The last block rings the bell.
+// dispatch_send's index of the remote rank served by this block, computed once per call (not by every block of the
+// pack, which spent 245 us at prefill deriving it 132 times): each token's slot in p's region, and the lists' offsets
+// of p's experts (fslot, foff in moe_layout.h). Touches only this device's scratch, so it waits on nothing.
+__global__ void __launch_bounds__(kIndexThreads) DispatchIndexKernel(KernelArgs a, int tokens, const int32_t* idx) {
+  extern __shared__ int cnt[];  // [l]: entries per local expert of p
+  __shared__ int sums[32];
+  const MoeShape& s = a.s;
+  const int r = s.experts_per_token, l = s.local_experts;
+  const int p = RemoteRank(a, blockIdx.x);
+  if (p < 0) return;  // the same for the whole block
+  int32_t* slot = reinterpret_cast<int32_t*>(a.base + a.lay.fslot) + static_cast<size_t>(p) * s.max_tokens;
+  int32_t* off = reinterpret_cast<int32_t*>(a.base + a.lay.foff) + static_cast<size_t>(p) * (l + 2);
+  for (int e = threadIdx.x; e < l; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  const int slots = ForEachSlotOf(s, p, tokens, idx, sums, [&](int t, int at, unsigned ks) {
+    slot[t] = at;
+    for (; ks != 0; ks &= ks - 1) atomicAdd(&cnt[idx[static_cast<size_t>(t) * r + __ffs(ks) - 1] - p * l], 1);
+  });
+  __syncthreads();  // every count in
+  const int run = (l + static_cast<int>(blockDim.x) - 1) / static_cast<int>(blockDim.x);
+  const int e0 = min(l, static_cast<int>(threadIdx.x) * run), e1 = min(l, e0 + run);
+  int mine = 0;
+  for (int e = e0; e < e1; ++e) mine += cnt[e];
+  int entries = 0;
+  int next = BlockExclusiveSum(mine, sums, &entries);
+  for (int e = e0; e < e1; ++e) {
+    off[e] = next;
+    next += cnt[e];
+  }
+  if (threadIdx.x == 0) {
+    off[l] = entries;
+    off[l + 1] = slots;
+  }
+}
+
+// Block (i, b) of `per_rank` serves the i-th remote rank p, from the index DispatchIndexKernel left (stream order makes
+// it visible): block b writes the lists of p's experts b, b + per_rank, ... and the records of tokens b * kWarps +
+// warp, ... The last block rings the bell.
 __global__ void __launch_bounds__(kThreads)
     DispatchPackKernel(KernelArgs a, int per_rank, int tokens, const uint8_t* x, const uint8_t* xs, const float* w,
                        const int32_t* idx) {
-  extern __shared__ int smem[];
   const MoeShape& s = a.s;
   const int r = s.experts_per_token, l = s.local_experts;
-  int* slot = smem;                // [max_tokens]: token t's record in p's region, -1 if p gets none of it
-  int* cnt = slot + s.max_tokens;  // [l]
-  int* off = cnt + l;              // [l + 1]
   __shared__ int warp_count[kWarps];
   __shared__ int free_ok;
   const FabricArgs& fab = a.fab[0];
@@ -104,20 +169,20 @@ __global__ void __launch_bounds__(kThreads)
                                    BlockPart());
   __syncthreads();
   if (free_ok) {  // the same for the whole block
-    CountEntries(a, p, tokens, idx, cnt, off);
+    const int32_t* slot = reinterpret_cast<const int32_t*>(a.base + a.lay.fslot) + static_cast<size_t>(p) * s.max_tokens;
+    const int32_t* off = reinterpret_cast<const int32_t*>(a.base + a.lay.foff) + static_cast<size_t>(p) * (l + 2);
     uint8_t* region = SendRegion(fab, a, epoch, p);
     int32_t* list = reinterpret_cast<int32_t*>(region + FabricHeaderBytes(s));
     uint8_t* records = region + FabricRecordsOffset(s);
-    const int slots = ForEachSlotOf(s, p, tokens, idx, warp_count, [&](int t, int at, unsigned) { slot[t] = at; });
-    __syncthreads();  // every slot written before any warp follows another's (the lists and records below)
     for (int e = b; e < l; e += per_rank) {
-      ForEachTokenOf(p * l + e, tokens, r, idx, warp_count,
-                     [&](int t, int kf, int i) { list[off[e] + i] = slot[t] * r + kf; });
+      int32_t* at = list + off[e];
+      ForEachTokenOf(p * l + e, tokens, r, idx, warp_count, [&](int t, int kf, int i) { at[i] = slot[t] * r + kf; });
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int t = b * kWarps + warp; t < tokens; t += per_rank * kWarps) {
-      if (slot[t] < 0) continue;
-      uint8_t* dst = records + static_cast<size_t>(slot[t]) * FabricRecordBytes(s);
+      const int at = slot[t];
+      if (at < 0) continue;
+      uint8_t* dst = records + static_cast<size_t>(at) * FabricRecordBytes(s);
       WarpCopy16(dst, x + static_cast<size_t>(t) * s.x_bytes(), s.x_bytes(), lane);
       if (xs) WarpCopy4(dst + s.x_bytes(), xs + static_cast<size_t>(t) * s.scale_bytes(), s.scale_bytes(), lane);
       if (w && lane < r)  // the expert rank weights and sums this token's rows by them (combine kWeighted)
@@ -125,10 +190,10 @@ __global__ void __launch_bounds__(kThreads)
     }
     if (b == 0) {
       int32_t* counts = proxy::HeaderCounts(reinterpret_cast<proxy::RegionHeader*>(region));
-      for (int e = threadIdx.x; e < l; e += blockDim.x) counts[e] = cnt[e];
+      for (int e = threadIdx.x; e < l; e += blockDim.x) counts[e] = off[e + 1] - off[e];
       if (threadIdx.x == 0) {
-        StoreHeader(region, fab, a, epoch, slots);
-        fab.bytes[(epoch % kFabricLanes) * s.num_ranks + p] = FabricDispatchBytes(s, slots);
+        StoreHeader(region, fab, a, epoch, off[l + 1]);
+        fab.bytes[(epoch % kFabricLanes) * s.num_ranks + p] = FabricDispatchBytes(s, off[l + 1]);
       }
     }
   }
@@ -146,12 +211,11 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // combine_recv's index: for every entry whose expert g sits on a remote rank p, the row of p's combine region that
-// holds it, and per p the rows it owes. kPerEntry: p returns rows in the order it received them (local expert, then
-// token); the reduced modes: one summed row per token, at the token's slot in the region dispatch sent p (tokens in
-// order, those with an entry on p), written at each of its entries on p (combine_recv counts the first). A pure
-// function of topk_idx, so it holds whatever dispatch came before. Block (i, b) as in DispatchPackKernel.
+// holds it, and per p the rows it owes. A pure function of topk_idx, so it holds whatever dispatch came before.
+// kPerEntry (CombineIndexKernel): p returns rows in the order it received them (local expert, then token); block
+// (i, b) of `per_rank` scans the tokens of p's experts b, b + per_rank, ...
 __global__ void __launch_bounds__(kThreads)
-    CombineIndexKernel(KernelArgs a, int ch, int mode, int per_rank, int tokens, const int32_t* idx) {
+    CombineIndexKernel(KernelArgs a, int ch, int per_rank, int tokens, const int32_t* idx) {
   extern __shared__ int smem[];
   const MoeShape& s = a.s;
   const int l = s.local_experts, r = s.experts_per_token;
@@ -163,14 +227,6 @@ __global__ void __launch_bounds__(kThreads)
   if (p < 0) return;  // the same for the whole block
   int32_t* fpos = reinterpret_cast<int32_t*>(a.base + a.lay.fpos) + static_cast<size_t>(ch) * s.entries();
   int32_t* fexp = reinterpret_cast<int32_t*>(a.base + a.lay.fexp) + ch * s.num_ranks;
-  if (mode != kPerEntry) {  // the slots, as DispatchPackKernel numbers them; one block a rank is plenty
-    if (b != 0) return;
-    const int slots = ForEachSlotOf(s, p, tokens, idx, warp_count, [&](int t, int at, unsigned ks) {
-      for (; ks != 0; ks &= ks - 1) fpos[static_cast<size_t>(t) * r + __ffs(ks) - 1] = at;
-    });
-    if (threadIdx.x == 0) fexp[p] = slots;
-    return;
-  }
   CountEntries(a, p, tokens, idx, cnt, off);
   if (b == 0 && threadIdx.x == 0) fexp[p] = off[l];
   for (int e = b; e < l; e += per_rank) {
@@ -178,6 +234,22 @@ __global__ void __launch_bounds__(kThreads)
       fpos[static_cast<size_t>(t) * r + kf] = off[e] + i;
     });
   }
+}
+
+// The reduced modes (CombineSlotsKernel, a block per remote rank): one summed row per token, at the token's slot in
+// the region dispatch sent p (ForEachSlotOf), written at each of its entries on p (combine_recv counts the first).
+__global__ void __launch_bounds__(kIndexThreads) CombineSlotsKernel(KernelArgs a, int ch, int tokens, const int32_t* idx) {
+  __shared__ int sums[32];
+  const MoeShape& s = a.s;
+  const int r = s.experts_per_token;
+  const int p = RemoteRank(a, blockIdx.x);
+  if (p < 0) return;  // the same for the whole block
+  int32_t* fpos = reinterpret_cast<int32_t*>(a.base + a.lay.fpos) + static_cast<size_t>(ch) * s.entries();
+  int32_t* fexp = reinterpret_cast<int32_t*>(a.base + a.lay.fexp) + ch * s.num_ranks;
+  const int slots = ForEachSlotOf(s, p, tokens, idx, sums, [&](int t, int at, unsigned ks) {
+    for (; ks != 0; ks &= ks - 1) fpos[static_cast<size_t>(t) * r + __ffs(ks) - 1] = at;
+  });
+  if (threadIdx.x == 0) fexp[p] = slots;
 }
 
 // Blocks per remote rank: enough for its experts' scans and its tokens' copies, at most 2 blocks per SM in all.
@@ -189,29 +261,29 @@ int PerRank(const KernelArgs& a, int tokens) {
   return per < 1 ? 1 : per;
 }
 
-cudaError_t AllowSmem(const void* kernel, size_t smem) {
-  if (smem <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-}
-
 }  // namespace
 
 cudaError_t LaunchDispatchPack(const KernelArgs& a, int tokens, const void* x, const void* x_scale,
                                const float* topk_weights, const int32_t* topk_idx, cudaStream_t stream) {
+  const size_t smem = sizeof(int) * a.s.local_experts;
+  if (cudaError_t err = AllowSmem(DispatchIndexKernel, smem); err != cudaSuccess) return err;
+  DispatchIndexKernel<<<a.num_remote, kIndexThreads, smem, stream>>>(a, tokens, topk_idx);
   const int per = PerRank(a, tokens);
-  const size_t smem = sizeof(int) * (a.s.max_tokens + 2 * a.s.local_experts + 1);
-  if (cudaError_t err = AllowSmem(reinterpret_cast<const void*>(DispatchPackKernel), smem); err != cudaSuccess) return err;
-  DispatchPackKernel<<<per * a.num_remote, kThreads, smem, stream>>>(
+  DispatchPackKernel<<<per * a.num_remote, kThreads, 0, stream>>>(
       a, per, tokens, static_cast<const uint8_t*>(x), static_cast<const uint8_t*>(x_scale), topk_weights, topk_idx);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchCombineIndex(const KernelArgs& a, int channel, int mode, int tokens, const int32_t* topk_idx,
                                cudaStream_t stream) {
+  if (mode != kPerEntry) {
+    CombineSlotsKernel<<<a.num_remote, kIndexThreads, 0, stream>>>(a, channel, tokens, topk_idx);
+    return cudaGetLastError();
+  }
   const int per = PerRank(a, tokens);
   const size_t smem = sizeof(int) * (2 * a.s.local_experts + 1);
-  if (cudaError_t err = AllowSmem(reinterpret_cast<const void*>(CombineIndexKernel), smem); err != cudaSuccess) return err;
-  CombineIndexKernel<<<per * a.num_remote, kThreads, smem, stream>>>(a, channel, mode, per, tokens, topk_idx);
+  if (cudaError_t err = AllowSmem(CombineIndexKernel, smem); err != cudaSuccess) return err;
+  CombineIndexKernel<<<per * a.num_remote, kThreads, smem, stream>>>(a, channel, per, tokens, topk_idx);
   return cudaGetLastError();
 }
 

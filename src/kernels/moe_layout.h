@@ -84,6 +84,10 @@ struct MoeLayout {
   size_t fpos = 0;    // int32 [channels][max_tokens * R]: for entries served by a remote rank, their row in its
                       // combine region (written by combine_recv's index kernel, read by combine_recv)
   size_t fexp = 0;    // int32 [channels][n]: rows each remote rank must return (same kernel)
+  size_t fslot = 0;   // int32 [n][max_tokens]: dispatch_send's index of remote rank p: token t's slot in p's region
+                      // (-1: p gets none of it), written once per call (DispatchIndexKernel), read by its pack
+  size_t foff = 0;    // int32 [n][l + 2]: the same index: where the list of p's local expert e starts in p's region
+                      // ([l]: p's entries), then [l + 1] the slots p gets
   size_t total = 0;
 };
 
@@ -142,6 +146,8 @@ inline MoeLayout MakeLayout(const MoeShape& s) {
   at += m.combine_slot * (kRoundSlots - 1);
   m.fpos = take(sizeof(int32_t) * s.entries() * kCombineChannels);
   m.fexp = take(sizeof(int32_t) * s.num_ranks * kCombineChannels);
+  m.fslot = take(sizeof(int32_t) * s.num_ranks * s.max_tokens);
+  m.foff = take(sizeof(int32_t) * s.num_ranks * (s.local_experts + 2));
   m.total = at;
   return m;
 }

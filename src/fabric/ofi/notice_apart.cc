@@ -7,27 +7,6 @@
 
 namespace jax_moe::fabric::ofi {
 
-namespace {
-
-// One write of `len` bytes from `local` with `flags`; returns fi_writemsg's code.
-ssize_t WriteMsg(fid_ep* ep, const void* local, uint64_t len, void* desc, uint64_t dest, uint64_t remote_addr,
-                 uint64_t rkey, uint64_t data, void* context, uint64_t flags) {
-  iovec iov{const_cast<void*>(local), len};
-  fi_rma_iov rma{remote_addr, len, rkey};
-  fi_msg_rma msg{};
-  msg.msg_iov = &iov;
-  msg.desc = &desc;
-  msg.iov_count = 1;
-  msg.addr = dest;
-  msg.rma_iov = &rma;
-  msg.rma_iov_count = 1;
-  msg.context = context;
-  msg.data = data;
-  return fi_writemsg(ep, &msg, flags);
-}
-
-}  // namespace
-
 NoticeApart::Bytes* NoticeApart::Take() {
   if (free_.empty()) {
     all_.push_back(std::make_unique<Bytes>());

@@ -210,24 +210,14 @@ class OfiBackend final : public Backend {
     fid_ep* ep = nics_[nic]->ep.get();
     for (size_t i = 0; i < n; ++i) {
       const WriteRequest& w = writes[i];
-      iovec iov{const_cast<void*>(w.local), w.length};
-      void* desc = w.local_desc;
-      fi_rma_iov rma{w.remote_addr, w.length, w.rkey};
-      fi_msg_rma msg{};
-      msg.msg_iov = &iov;
-      msg.desc = &desc;
-      msg.iov_count = 1;
-      msg.addr = w.dest;
-      msg.rma_iov = &rma;
-      msg.rma_iov_count = 1;
-      msg.context = w.context;
-      msg.data = CqData(w);
+      const uint64_t data = CqData(w);
       if (notice_apart_ && w.has_imm && w.length > 0 && w.host_to_host) {
-        if (!nics_[nic]->notices.PostBytes(ep, w, msg.data)) return i;
+        if (!nics_[nic]->notices.PostBytes(ep, w, data)) return i;
         ++notices_apart_count_;
         continue;
       }
-      ssize_t rc = fi_writemsg(ep, &msg, FI_COMPLETION | (w.has_imm ? FI_REMOTE_CQ_DATA : 0));
+      const ssize_t rc = WriteMsg(ep, w.local, w.length, w.local_desc, w.dest, w.remote_addr, w.rkey, data, w.context,
+                                  FI_COMPLETION | (w.has_imm ? FI_REMOTE_CQ_DATA : 0));
       if (rc == -FI_EAGAIN) return i;
       Check(rc, "fi_writemsg");
     }
