@@ -59,6 +59,11 @@ JAX_MOE_HD inline unsigned long long SlotPredecessor(unsigned long long epoch) {
   return epoch > kRoundSlots ? epoch - kRoundSlots : 0;
 }
 
+// The remote ranks' index (MoeLayout::fmask ...) takes tokens in chunks of one warp's lanes, a bit each.
+constexpr int kIndexChunk = 32;
+JAX_MOE_HD inline int IndexChunks(const MoeShape& s) { return (s.max_tokens + kIndexChunk - 1) / kIndexChunk; }
+constexpr int kFabricStreams = 1 + kCombineChannels;  // rounds of remote ranks: dispatch, combine channel 0, 1
+
 // Byte offsets of the fields inside one device buffer.
 // Dispatch moves each token once per destination rank (not once per (t, k)): sender s writes token t into
 // tokens[s][t] of every rank that holds one of its experts, and for each local expert e of that rank the list of
@@ -84,10 +89,14 @@ struct MoeLayout {
   size_t fpos = 0;    // int32 [channels][max_tokens * R]: for entries served by a remote rank, their row in its
                       // combine region (written by combine_recv's index kernel, read by combine_recv)
   size_t fexp = 0;    // int32 [channels][n]: rows each remote rank must return (same kernel)
-  size_t fslot = 0;   // int32 [n][max_tokens]: dispatch_send's index of remote rank p: token t's slot in p's region
-                      // (-1: p gets none of it), written once per call (DispatchIndexKernel), read by its pack
-  size_t foff = 0;    // int32 [n][l + 2]: the same index: where the list of p's local expert e starts in p's region
-                      // ([l]: p's entries), then [l + 1] the slots p gets
+  // The remote ranks' index, per fabric stream f (0: dispatch_send, 1 + c: combine_recv of channel c), derived from
+  // topk_idx once per call (IndexKernel, kernels/fabric.cu). Tokens go in chunks of kIndexChunk (C = IndexChunks):
+  size_t fmask = 0;   // uint32 [streams][n][C]: bit j of chunk c: token 32c + j has an entry on rank p
+  size_t fsbase = 0;  // int32 [streams][n][C]: tokens with an entry on p in the chunks before c (p's slots)
+  size_t fbits = 0;   // uint32 [streams][n][C][l]: bit j: token 32c + j has an entry with p's local expert e
+  size_t fbase = 0;   // int32 [streams][n][C][l]: entries with p's expert e in the chunks before c
+  size_t foff = 0;    // int32 [streams][n][l + 2]: where expert e's entries start among p's; [l]: p's entries,
+                      // [l + 1]: p's slots
   size_t total = 0;
 };
 
@@ -98,6 +107,7 @@ struct LocalSync {
   unsigned int error_seq;             // number of the last error published to the host (0: none yet)
   unsigned long long error;           // the running launch's first error (kind << 32 | detail), published at its end
   unsigned int pack_done;             // blocks finished in the running dispatch pack launch (remote ranks)
+  unsigned int index_done[kFabricStreams];  // blocks finished in the running IndexKernel launch, per fabric stream
   // Per fabric stream, the pump's kSent / kArrived words as block 0 last saw them in host memory: the other blocks
   // wait on this copy, so that one thread per launch polls over PCIe, not one per block (see WaitFabric).
   unsigned long long fab_seen[1 + kCombineChannels][2];
@@ -146,8 +156,12 @@ inline MoeLayout MakeLayout(const MoeShape& s) {
   at += m.combine_slot * (kRoundSlots - 1);
   m.fpos = take(sizeof(int32_t) * s.entries() * kCombineChannels);
   m.fexp = take(sizeof(int32_t) * s.num_ranks * kCombineChannels);
-  m.fslot = take(sizeof(int32_t) * s.num_ranks * s.max_tokens);
-  m.foff = take(sizeof(int32_t) * s.num_ranks * (s.local_experts + 2));
+  const size_t chunks = size_t(kFabricStreams) * s.num_ranks * IndexChunks(s);
+  m.fmask = take(sizeof(uint32_t) * chunks);
+  m.fsbase = take(sizeof(int32_t) * chunks);
+  m.fbits = take(sizeof(uint32_t) * chunks * s.local_experts);
+  m.fbase = take(sizeof(int32_t) * chunks * s.local_experts);
+  m.foff = take(sizeof(int32_t) * kFabricStreams * s.num_ranks * (s.local_experts + 2));
   m.total = at;
   return m;
 }
@@ -177,7 +191,6 @@ JAX_MOE_HD inline int64_t RouteLength(const MoeShape& s) { return RouteWeightsOf
 //             (as NVLink peers return them), so a token costs one row per remote rank, not one per (t, k).
 // Both ends compute every offset alike; the counts and the header's rows say how much is valid.
 constexpr int kFabricLanes = kRoundSlots;  // rounds per stream in flight, as on NVLink
-constexpr int kFabricStreams = 1 + kCombineChannels;
 
 JAX_MOE_HD inline uint64_t FabricHeaderBytes(const MoeShape& s) { return proxy::RegionHeaderBytes(s); }
 JAX_MOE_HD inline uint64_t FabricRecordsOffset(const MoeShape& s) {
