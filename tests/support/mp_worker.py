@@ -203,8 +203,8 @@ def main() -> None:
                 outs = [gather(o) for o in roundtrip(big, xb, ib, wb, None, weights_at_dispatch=at_dispatch)]
                 check_roundtrip(big, n, xb, ib, wb, None, outs)
         if not fp8 and backend == "cuda":
-            # Over 1024 tokens (the remote ranks' index kernels give each thread a run of tokens, the last runs
-            # partial) with repeated experts in a row (only the first counts).
+            # Over 256 tokens (the remote ranks' index takes chunks of 32 tokens, 8 a block: several blocks, the
+            # last chunk partial) with repeated experts in a row (only the first counts).
             long = jax_moe.Communicator(jax_moe.MoEConfig(e, r, 128, 2100), mesh, "ep", backend=backend)
             comms.append(long)
             xl, _ = random_tokens(rng, n * 2050, 128, False)
