@@ -15,6 +15,7 @@
 #include "common/log.h"
 #include "cuda/cuda_scope.h"
 #include "cuda/run_ahead.h"
+#include "kernels/fabric_kernels.h"
 
 namespace jax_moe::cuda {
 namespace {
@@ -198,15 +199,15 @@ std::pair<std::string, std::vector<std::string>> OpenFabric(int64_t id, int ordi
   auto dev = MustFind(id, ordinal);
   Require(!dev->fabric, "jax_moe cuda: the fabric of a device is opened once");
   Require(!dev->remote.empty(), "jax_moe cuda: connect the device before opening its fabric");
-  // The pack kernel keeps a slot per token in shared memory.
+  // The remote ranks' index keeps 32 bits per local expert and warp in shared memory (kernels/fabric.cu).
   int smem = 0;
   Check(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, ordinal), "cudaDeviceGetAttribute");
   const MoeShape& s = dev->args.s;
-  if (sizeof(int) * (size_t(s.max_tokens) + 2 * size_t(s.local_experts) + 1) + 1024 > size_t(smem)) {
-    Throw(ErrorCode::kInvalidArgument, "jax_moe cuda: max_tokens " + std::to_string(s.max_tokens) +
-                                           " is too large for ranks on other nodes on this GPU (the pack kernel "
-                                           "keeps one int per token in its " + std::to_string(smem) +
-                                           " bytes of shared memory)");
+  if (IndexSharedBytes(s) > size_t(smem)) {
+    Throw(ErrorCode::kInvalidArgument, "jax_moe cuda: " + std::to_string(s.local_experts) +
+                                           " experts per rank are too many for ranks on other nodes on this GPU (the "
+                                           "index kernel keeps 32 bits per expert and warp in its " +
+                                           std::to_string(smem) + " bytes of shared memory): use more ranks");
   }
   DeviceScope scope(ordinal);
   dev->fabric = std::make_unique<DeviceFabric>(dev->args.s, dev->args.rank, static_cast<uint32_t>(id), dev->remote,

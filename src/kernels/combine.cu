@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 
 #include "kernels/copy.cuh"
+#include "kernels/fabric_index.cuh"
 #include "kernels/fabric_kernels.h"
 #include "kernels/grid.h"
 #include "kernels/moe_kernels.h"
@@ -252,8 +253,9 @@ __device__ void CombineRecvBody(const KernelArgs& a, const CombineRecvIo& io, Pa
   const int half = kCombineRecv + 2 * ch, flag = kCombineFlag + 2 * ch, ack = kCombineAck + 2 * ch;
   const unsigned long long epoch = Local(a)->epoch[half] + 1;
   const FabricArgs& fab = a.fab[1 + ch];
-  const int32_t* fpos = reinterpret_cast<const int32_t*>(a.base + a.lay.fpos) + static_cast<size_t>(ch) * s.entries();
-  const int32_t* fexp = reinterpret_cast<const int32_t*>(a.base + a.lay.fexp) + ch * s.num_ranks;
+  // Rows of remote ranks: per entry, its position among p's entries (the order p received them); in the reduced
+  // modes, the token's slot (one summed row per token). From this channel's index (IndexKernel, before this kernel).
+  const int owed = mode == kPerEntry ? s.local_experts : s.local_experts + 1;  // off[owed]: the rows p returns
   TracePart0(a, part, half, epoch, kTraceStart);
   CheckTicket(a, io.ticket, epoch, 1 + ch, part);
   if (threadIdx.x < s.num_ranks && !IsRemote(a, threadIdx.x))
@@ -265,7 +267,8 @@ __device__ void CombineRecvBody(const KernelArgs& a, const CombineRecvIo& io, Pa
   if (threadIdx.x < s.num_ranks && IsRemote(a, threadIdx.x)) {  // the region holds exactly the rows we expect
     const int p = threadIdx.x;
     const proxy::RegionHeader h = LoadHeader(RecvRegion(fab, a, epoch, p));
-    pok[p] = fab_ok && HeaderOk(h, fab, epoch, p, FabricCombineRows(s, ch)) && h.rows == fexp[p];
+    pok[p] = fab_ok && HeaderOk(h, fab, epoch, p, FabricCombineRows(s, ch)) &&
+             h.rows == IndexOf(a, 1 + ch, p).off[owed];
     if (fab_ok && !pok[p] && part.id == 0) RaiseError(a, kBadPeerData, p);
   }
   __syncthreads();
@@ -309,8 +312,9 @@ __device__ void CombineRecvBody(const KernelArgs& a, const CombineRecvIo& io, Pa
     } else if (p == a.rank) {
       if (i_self >= 0 && i_self < s.max_recv_rows()) row = y + static_cast<size_t>(i_self) * s.combine_row_bytes(); else wt = 0.f;
     } else if (IsRemote(a, p)) {  // its row in p's region: per entry, or (reduced modes) the token's summed row
-      const int32_t i = fpos[entry];
-      if (pok[p] && i >= 0 && i < fexp[p]) {
+      const RankIndex ix = IndexOf(a, 1 + ch, p);
+      const int i = mode == kPerEntry ? EntryOf(ix, l, t, g - p * l) : SlotOf(ix, t);
+      if (pok[p] && i >= 0 && i < ix.off[owed]) {
         row = RecvRegion(fab, a, epoch, p) + FabricHeaderBytes(s) + static_cast<size_t>(i) * s.combine_row_bytes();
         if (mode != kPerEntry) wt = 1.f;
       } else {

@@ -1,4 +1,4 @@
-// Warp-cooperative row copies (16-byte vectors, several loads in flight), zeroing and a block-wide prefix sum.
+// Warp-cooperative row copies (16-byte vectors, several loads in flight) and zeroing.
 #pragma once
 #include <cstdint>
 
@@ -73,56 +73,6 @@ __device__ __forceinline__ void WarpCopy4(void* dst, const void* src, int bytes,
   WarpWords4 w;
   w.load(src, bytes, lane);
   w.store(dst, src, bytes, lane);
-}
-
-// In-place inclusive prefix sum of data[0..n) in shared memory by the whole block (any n, any blockDim that is a
-// multiple of 32). `warp_sums` holds 32 ints of shared scratch. Ends with a barrier.
-__device__ inline void BlockInclusiveScan(int* data, int n, int* warp_sums) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  int carry = 0;
-  for (int base = 0; base < n; base += blockDim.x) {
-    const int i = base + threadIdx.x;
-    int v = i < n ? data[i] : 0;
-    for (int o = 1; o < 32; o <<= 1) {
-      const int u = __shfl_up_sync(0xffffffffu, v, o);
-      if (lane >= o) v += u;
-    }
-    if (lane == 31) warp_sums[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-      int w = lane < warps ? warp_sums[lane] : 0;
-      for (int o = 1; o < 32; o <<= 1) {
-        const int u = __shfl_up_sync(0xffffffffu, w, o);
-        if (lane >= o) w += u;
-      }
-      if (lane < warps) warp_sums[lane] = w;
-    }
-    __syncthreads();
-    const int total = warp_sums[warps - 1];
-    if (warp > 0) v += warp_sums[warp - 1];
-    if (i < n) data[i] = v + carry;
-    carry += total;
-    __syncthreads();
-  }
-}
-
-// The position of this thread among the threads of the block whose `pred` holds, in thread order, after `running`
-// earlier ones (-1 where `pred` is false); adds the block's count to `running`, alike in every thread. Every thread of
-// the block calls it (it has barriers); `warp_count` is shared scratch of one int per warp.
-__device__ __forceinline__ int BlockRank(bool pred, int* warp_count, int& running) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const unsigned m = __ballot_sync(0xffffffffu, pred);
-  if (lane == 0) warp_count[warp] = __popc(m);
-  __syncthreads();
-  int before = 0, total = 0;
-  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) {
-    before += w < warp ? warp_count[w] : 0;
-    total += warp_count[w];
-  }
-  const int mine = running + before + __popc(m & ((1u << lane) - 1u));
-  running += total;
-  __syncthreads();
-  return pred ? mine : -1;
 }
 
 }  // namespace jax_moe::cuda

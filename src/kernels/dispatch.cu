@@ -3,6 +3,7 @@
 // expert, then source rank, then source token). One kernel each, or one for both (the one-shot dispatch, every rank on
 // this node): each half is a body run per part, so the one kernel runs the send's parts, then the receive's.
 #include "kernels/copy.cuh"
+#include "kernels/scan.cuh"
 #include "kernels/fabric_kernels.h"
 #include "kernels/grid.h"
 #include "kernels/moe_kernels.h"

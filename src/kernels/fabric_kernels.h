@@ -2,6 +2,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kernels/moe_layout.h"
@@ -13,8 +14,13 @@ namespace jax_moe::cuda {
 cudaError_t LaunchDispatchPack(const KernelArgs& a, int tokens, const void* x, const void* x_scale,
                                const float* topk_weights, const int32_t* topk_idx, cudaStream_t stream);
 
-// combine_recv's index of remote rows for combine mode `mode` (before combine_recv's kernel).
+// The index of channel `channel`'s remote rows for combine mode `mode`, before combine_recv's kernel, which reads its
+// rows of remote ranks from it.
 cudaError_t LaunchCombineIndex(const KernelArgs& a, int channel, int mode, int tokens, const int32_t* topk_idx,
                                cudaStream_t stream);
+
+// Shared memory a block of the index kernel needs (32 bits per local expert and warp): set-up refuses a shape whose
+// need exceeds the GPU's opt-in limit.
+size_t IndexSharedBytes(const MoeShape& s);
 
 }  // namespace jax_moe::cuda

@@ -86,9 +86,6 @@ struct MoeLayout {
   size_t self = 0;    // int32 [channels][max_tokens * R]: for entries served by this rank, their expert_y row (this
                       // rank's own rows are not copied: combine_recv reads them from expert_y)
   size_t combine_slot = 0;  // bytes of one slot's combine fields
-  size_t fpos = 0;    // int32 [channels][max_tokens * R]: for entries served by a remote rank, their row in its
-                      // combine region (written by combine_recv's index kernel, read by combine_recv)
-  size_t fexp = 0;    // int32 [channels][n]: rows each remote rank must return (same kernel)
   // The remote ranks' index, per fabric stream f (0: dispatch_send, 1 + c: combine_recv of channel c), derived from
   // topk_idx once per call (IndexKernel, kernels/fabric.cu). Tokens go in chunks of kIndexChunk (C = IndexChunks):
   size_t fmask = 0;   // uint32 [streams][n][C]: bit j of chunk c: token 32c + j has an entry on rank p
@@ -97,6 +94,8 @@ struct MoeLayout {
   size_t fbase = 0;   // int32 [streams][n][C][l]: entries with p's expert e in the chunks before c
   size_t foff = 0;    // int32 [streams][n][l + 2]: where expert e's entries start among p's; [l]: p's entries,
                       // [l + 1]: p's slots
+  size_t fdone = 0;   // uint32 [streams][n]: blocks of the running IndexKernel launch done with p's chunks (the last
+                      // one adds them up, then re-arms it)
   size_t total = 0;
 };
 
@@ -107,7 +106,6 @@ struct LocalSync {
   unsigned int error_seq;             // number of the last error published to the host (0: none yet)
   unsigned long long error;           // the running launch's first error (kind << 32 | detail), published at its end
   unsigned int pack_done;             // blocks finished in the running dispatch pack launch (remote ranks)
-  unsigned int index_done[kFabricStreams];  // blocks finished in the running IndexKernel launch, per fabric stream
   // Per fabric stream, the pump's kSent / kArrived words as block 0 last saw them in host memory: the other blocks
   // wait on this copy, so that one thread per launch polls over PCIe, not one per block (see WaitFabric).
   unsigned long long fab_seen[1 + kCombineChannels][2];
@@ -154,14 +152,13 @@ inline MoeLayout MakeLayout(const MoeShape& s) {
   m.self = take(sizeof(int32_t) * s.entries() * kCombineChannels);
   m.combine_slot = at - combine_at;
   at += m.combine_slot * (kRoundSlots - 1);
-  m.fpos = take(sizeof(int32_t) * s.entries() * kCombineChannels);
-  m.fexp = take(sizeof(int32_t) * s.num_ranks * kCombineChannels);
   const size_t chunks = size_t(kFabricStreams) * s.num_ranks * IndexChunks(s);
   m.fmask = take(sizeof(uint32_t) * chunks);
   m.fsbase = take(sizeof(int32_t) * chunks);
   m.fbits = take(sizeof(uint32_t) * chunks * s.local_experts);
   m.fbase = take(sizeof(int32_t) * chunks * s.local_experts);
   m.foff = take(sizeof(int32_t) * kFabricStreams * s.num_ranks * (s.local_experts + 2));
+  m.fdone = take(sizeof(uint32_t) * kFabricStreams * s.num_ranks);
   m.total = at;
   return m;
 }

@@ -203,18 +203,20 @@ def main() -> None:
                 outs = [gather(o) for o in roundtrip(big, xb, ib, wb, None, weights_at_dispatch=at_dispatch)]
                 check_roundtrip(big, n, xb, ib, wb, None, outs)
         if not fp8 and backend == "cuda":
-            # Over 256 tokens (the remote ranks' index takes chunks of 32 tokens, 8 a block: several blocks, the
-            # last chunk partial) with repeated experts in a row (only the first counts).
+            # The remote ranks' index takes chunks of 32 tokens, 8 a block: 256 tokens fit one block (dispatch_send's
+            # pack derives the index itself), 257 and 2050 take the index kernel (several blocks, the last chunk
+            # partial). Rows repeat an expert (only the first counts).
             long = jax_moe.Communicator(jax_moe.MoEConfig(e, r, 128, 2100), mesh, "ep", backend=backend)
             comms.append(long)
-            xl, _ = random_tokens(rng, n * 2050, 128, False)
-            il = random_routing(rng, n, 2050, r, e, mask=0.2, skew=True)
-            again = rng.random(len(il)) < 0.3
-            il[again, 2] = il[again, 1]
-            wl = rng.random((n * 2050, r)).astype(np.float32)
-            for at_dispatch in (False, True):
-                outs = [gather(o) for o in roundtrip(long, xl, il, wl, None, weights_at_dispatch=at_dispatch)]
-                check_roundtrip(long, n, xl, il, wl, None, outs)
+            for tl in (256, 257, 2050):
+                xl, _ = random_tokens(rng, n * tl, 128, False)
+                il = random_routing(rng, n, tl, r, e, mask=0.2, skew=True)
+                again = rng.random(len(il)) < 0.3
+                il[again, 2] = il[again, 1]
+                wl = rng.random((n * tl, r)).astype(np.float32)
+                for at_dispatch in (False, True):
+                    outs = [gather(o) for o in roundtrip(long, xl, il, wl, None, weights_at_dispatch=at_dispatch)]
+                    check_roundtrip(long, n, xl, il, wl, None, outs)
         # Several rounds in one program, forward and backward (micro-batch accumulation sums the weights' gradients
         # with an all-reduce: not where processes share a GPU).
         run_all(comm, rng, 3, fp8, gather=gather, micro=None if SHARED_GPUS else 2)
