@@ -103,22 +103,24 @@ _TRACE_HALVES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv
 _TRACE_POINTS = ("start", "waited", "work", "end")
 
 
-def trace_summary(comm) -> Optional[dict]:
-    """Median device-side timeline of an iteration per GPU (JAX_MOE_CUDA_TRACE=1): every half's start, end of its
-    waits on peers, end of its block 0's work, and end, in us after that GPU's dispatch_send start. (GPUs' clocks
-    are not synchronised: only times on one GPU are compared.)"""
+def trace_summary(comm, ops: tuple = ("dispatch", "combine")) -> Optional[dict]:
+    """Median device-side timeline of an iteration per GPU (JAX_MOE_CUDA_TRACE=1): every half of `ops`, its start, end
+    of its waits on peers, end of its block 0's work, and end, in us after that GPU's start of the first op's send
+    half (rounds where every half of `ops` ran). (GPUs' clocks are not synchronised: only times on one GPU are
+    compared.)"""
     if os.environ.get("JAX_MOE_CUDA_TRACE") != "1" or not hasattr(comm.backend, "read_trace"):
         return None
+    halves = [i for i, h in enumerate(_TRACE_HALVES) if h.split("_")[0] in ops]
     traces = comm.backend.read_trace()
     out = {}
     for ordinal in sorted(traces):
-        tr = traces[ordinal][:, :4, :].astype(np.int64)  # [ring, half, point], channel 0 only
-        used = tr[:, 0, 0] > 0
+        tr = traces[ordinal][:, halves, :].astype(np.int64)  # [ring, half, point], channel 0 only
+        used = (tr[:, :, 0] > 0).all(axis=1)
         if not used.any():
             continue
         rel = (tr[used] - tr[used][:, :1, :1]) / 1e3
-        out[ordinal] = {f"{h}.{p}": float(np.median(rel[:, i, j]))
-                        for i, h in enumerate(_TRACE_HALVES) for j, p in enumerate(_TRACE_POINTS)}
+        out[ordinal] = {f"{_TRACE_HALVES[h]}.{p}": float(np.median(rel[:, i, j]))
+                        for i, h in enumerate(halves) for j, p in enumerate(_TRACE_POINTS)}
     for ordinal, row in out.items():
         print(f"[moe] trace gpu{ordinal}: " + " ".join(f"{k}={v:.1f}" for k, v in row.items()), flush=True)
     return out

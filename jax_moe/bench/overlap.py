@@ -31,7 +31,7 @@ from jax_moe.backends import cpu as cpu_backend
 from jax_moe.backends import cuda as cuda_backend
 from jax_moe import multihost
 from jax_moe.communicator import FABRIC_PROVIDERS
-from jax_moe.bench import micro_batches, processes
+from jax_moe.bench import diagnostics, micro_batches, processes
 from jax_moe.bench.moe import SHAPES
 from jax_moe.bench.programs import make_inputs, program
 from jax_moe.types import CombineHandle, DispatchHandle
@@ -158,6 +158,9 @@ def measure(comm, mesh, inputs, op: str, iters: int, warmup: int, gpu: bool) -> 
     _, gemm_body, overlap_body = _programs(comm, op, stamp, f)
     t_gemm = float(np.median(_run(gemm_body, mesh, inputs, iters, warmup, gpu)[:, 0]))
     ov = _run(overlap_body, mesh, inputs, iters, warmup, gpu)  # [iters, 3]: send, gemm, recv
+    # JAX_MOE_CUDA_TRACE=1: the halves' device timeline in the overlap program (is the recv after the GEMM still
+    # waiting for its peers, or working?).
+    trace = diagnostics.trace_summary(comm, (op,))
     t_total = float(np.median(ov.sum(axis=1)))
     t_gemm_in = float(np.median(ov[:, 1]))
     return {"op": op, "comm_us": t_comm, "gemm_us": t_gemm, "gemm_f": f, "gemm_rows": inputs[0].shape[0]
@@ -166,7 +169,8 @@ def measure(comm, mesh, inputs, op: str, iters: int, warmup: int, gpu: bool) -> 
             "recv_after_gemm_us": float(np.median(ov[:, 2])),
             "hidden_fraction": (t_comm + t_gemm - t_total) / t_comm if t_comm > 0 else None,
             "gemm_slowdown": t_gemm_in / t_gemm - 1 if t_gemm > 0 else None,
-            "min_step_us": float(ov.min())}  # stamps in program order: never negative
+            "min_step_us": float(ov.min()),  # stamps in program order: never negative
+            "device_trace": trace}
 
 
 def sms_in_flight(comm, op: str, tokens: int) -> dict:
@@ -205,7 +209,7 @@ def main(argv) -> int:
     print(f"[overlap] platform={jax.default_backend()} ranks={n}{nodes} devices={devices[0].device_kind} "
           f"backends={backends} shapes={shapes}; us, p50 of the slowest rank", flush=True)
     print(f"{'shape':<8}{'backend':<8}{'op':<9}{'comm':>9}{'gemm':>9}{'both':>9}{'hidden':>8}{'gemm slowed':>12}"
-          f"{'GEMM':>22}  SMs of our send kernel (none between the halves)")
+          f"{'GEMM':>22}  SMs of our send kernel (none between the halves); in `both`: send, recv after the GEMM")
     results = []
     for shape in shapes:
         if shape not in SHAPES:
@@ -244,7 +248,8 @@ def main(argv) -> int:
                 print(f"{shape:<8}{backend:<8}{op:<9}{res['comm_us']:>9.1f}{res['gemm_us']:>9.1f}"
                       f"{res['overlap_us']:>9.1f}{100 * hid:>7.0f}%{100 * slow:>11.0f}%"
                       f"{res['gemm_rows']:>7}x{hidden}x{res['gemm_f']:<8}  "
-                      f"{'-' if res['sms_in_flight'] is None else res['sms_in_flight']}", flush=True)
+                      f"{'-' if res['sms_in_flight'] is None else res['sms_in_flight']:>4}  "
+                      f"{res['send_us']:.1f}, {res['recv_after_gemm_us']:.1f}", flush=True)
             del comm
     if args.json and leader:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
