@@ -113,14 +113,20 @@ nodes_bench() {  # TAG: the cross-node decode benchmark on one GPU, two processe
 if has nodes; then  # ranks on other nodes (issue 13) with the image's libfabric 1.17 (no CUDA: host memory)
   nodes_bench nodes
 fi
-if has xoverlap; then  # overlap across nodes (issue 25): two processes under MPS as two nodes, per area memory
+if has xoverlap; then  # overlap across nodes (issue 25): two processes under MPS as two nodes, per area memory,
+  # $XOVERLAP_REPEAT runs each (the shared machine's rows vary between runs), on the first of $NODES_PROVIDERS
   mps_start
+  providers=${NODES_PROVIDERS:-shm tcp}
   for memory in ${NODES_MEMORY:-auto}; do
     eager=CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-LAZY}
     [ "$memory" = staged ] && eager=CUDA_MODULE_LOADING=EAGER
-    stage "xoverlap_${memory}" 300 env $eager CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_FABRIC_MEMORY=$memory \
-      python3 -m jax_moe.bench overlap --processes 2 --ranks-per-node 1 --provider "${NODES_PROVIDERS%% *}" \
-      --iters 50 --json "$OUT/xoverlap_${memory}.json"
+    for run in $(seq "${XOVERLAP_REPEAT:-1}"); do
+      tag="xoverlap_${memory}"
+      [ "${XOVERLAP_REPEAT:-1}" = 1 ] || tag="${tag}_${run}"
+      stage "$tag" 300 env $eager CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_FABRIC_MEMORY=$memory \
+        python3 -m jax_moe.bench overlap --processes 2 --ranks-per-node 1 --provider "${providers%% *}" \
+        --iters 50 --json "$OUT/${tag}.json"
+    done
   done
   mps_stop
 fi
