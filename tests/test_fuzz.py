@@ -14,6 +14,7 @@ import jax_moe
 from support.helpers import BACKENDS, backend_mesh, check_roundtrip, random_routing, random_tokens, roundtrip
 
 CASES = int(os.environ.get("JAX_MOE_FUZZ_CASES", "3"))
+MANY = int(os.environ.get("JAX_MOE_FUZZ_MANY", "40"))  # test_fuzz_many's cases (--runslow)
 
 
 def rank_choices(backend: str) -> list[int]:
@@ -63,5 +64,5 @@ def test_fuzz_against_oracle(backend, case):
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fuzz_many(backend):
-    for _ in range(40):
+    for _ in range(MANY):
         test_fuzz_against_oracle(backend, 0)
