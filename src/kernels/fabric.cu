@@ -1,6 +1,7 @@
 // The kernels of ranks on other nodes (regions the host proxy moves; layout in moe_layout.h, "ranks on other
-// nodes"): the index of where each token and entry goes in a remote rank's region (IndexKernel, once per call; its
-// readers in fabric_index.cuh) and dispatch_send's packing of their regions. combine_recv reads its remote rows from
+// nodes"): the index of where each token and entry goes in a remote rank's region (IndexKernel, once per call and
+// stream; at decode dispatch_send's pack derives it itself; its readers in fabric_index.cuh) and dispatch_send's
+// packing of their regions. combine_recv reads its remote rows from
 // its channel's index. Launched next to the NVLink kernels of the same half, only when the Communicator has remote
 // ranks.
 //
@@ -90,6 +91,9 @@ __device__ void IndexPrefixes(const KernelArgs& a, const RankIndex& ix, int chun
   }
   if (threadIdx.x == 0) ix.off[l + 1] = slots;
 }
+
+// IndexKernel's dynamic shared memory with lists: 32 bits per local expert and warp.
+size_t IndexBitsBytes(int l) { return sizeof(unsigned) * kWarps * size_t(l); }
 
 // The index of `stream` (0: dispatch_send, 1 + c: combine_recv of channel c) for every remote rank: block (i, b) of
 // `per_rank` serves the i-th remote rank p, its warp w marks chunk 8b + w. The last of p's blocks then derives p's
@@ -211,7 +215,7 @@ __global__ void __launch_bounds__(kThreads)
 cudaError_t LaunchIndex(const KernelArgs& a, int stream, bool lists, int tokens, const int32_t* idx, cudaStream_t cs) {
   const int chunks = (tokens + kIndexChunk - 1) / kIndexChunk;
   const int per = chunks > kWarps ? (chunks + kWarps - 1) / kWarps : 1;
-  const size_t smem = lists ? IndexSharedBytes(a.s) : 0;
+  const size_t smem = lists ? IndexBitsBytes(a.s.local_experts) : 0;
   if (cudaError_t err = AllowSmem(IndexKernel, smem); err != cudaSuccess) return err;
   IndexKernel<<<per * a.num_remote, kThreads, smem, cs>>>(a, stream, lists ? 1 : 0, per, tokens, idx);
   return cudaGetLastError();
@@ -219,12 +223,18 @@ cudaError_t LaunchIndex(const KernelArgs& a, int stream, bool lists, int tokens,
 
 }  // namespace
 
-size_t IndexSharedBytes(const MoeShape& s) { return sizeof(unsigned) * kWarps * s.local_experts; }
+size_t IndexSharedBytes(const MoeShape& s) {
+  cudaFuncAttributes attr{};  // its static shared memory shares the opt-in limit with the dynamic bits
+  const size_t fixed = cudaFuncGetAttributes(&attr, IndexKernel) == cudaSuccess ? attr.sharedSizeBytes : 1024;
+  return fixed + IndexBitsBytes(s.local_experts);
+}
 
 cudaError_t LaunchDispatchPack(const KernelArgs& a, int tokens, const void* x, const void* x_scale,
                                const float* topk_weights, const int32_t* topk_idx, cudaStream_t stream) {
   // At decode the index launch cost what it saved the pack: each block derives it in shared memory instead.
-  const bool fold = (tokens + kIndexChunk - 1) / kIndexChunk <= kWarps && FoldBytes(a.s.local_experts) <= 48 * 1024;
+  // The fold's shared memory stays under the 48 KiB a launch gets without opting in, beside the kernel's static.
+  constexpr size_t kFoldMost = 40 * 1024;
+  const bool fold = (tokens + kIndexChunk - 1) / kIndexChunk <= kWarps && FoldBytes(a.s.local_experts) <= kFoldMost;
   if (!fold)
     if (cudaError_t err = LaunchIndex(a, 0, true, tokens, topk_idx, stream); err != cudaSuccess) return err;
   // A warp per token, at most 2 blocks per SM in all.

@@ -19,8 +19,8 @@ cudaError_t LaunchDispatchPack(const KernelArgs& a, int tokens, const void* x, c
 cudaError_t LaunchCombineIndex(const KernelArgs& a, int channel, int mode, int tokens, const int32_t* topk_idx,
                                cudaStream_t stream);
 
-// Shared memory a block of the index kernel needs (32 bits per local expert and warp): set-up refuses a shape whose
-// need exceeds the GPU's opt-in limit.
+// Shared memory a block of the index kernel needs (its static, and 32 bits per local expert and warp): set-up
+// refuses a shape whose need exceeds the GPU's opt-in limit.
 size_t IndexSharedBytes(const MoeShape& s);
 
 }  // namespace jax_moe::cuda
