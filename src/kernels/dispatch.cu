@@ -5,6 +5,7 @@
 #include "kernels/copy.cuh"
 #include "kernels/scan.cuh"
 #include "kernels/fabric_kernels.h"
+#include "kernels/fabric_pack.cuh"
 #include "kernels/grid.h"
 #include "kernels/moe_kernels.h"
 #include "kernels/one_kernel.h"
@@ -16,20 +17,33 @@
 namespace jax_moe::cuda {
 namespace {
 
+// A block of dispatch_send's launch is done (`part` counts every block of it); the last one raises the NVLink
+// receivers' flags, advances the epoch and writes the ticket.
+__device__ void DispatchSendArrive(const KernelArgs& a, const DispatchSendIo& io, Part part, unsigned long long epoch) {
+  FinishPart(a, part, kDispatchSend, [&](LocalSync* ls) {
+    for (int p = 0; p < a.s.num_ranks; ++p)
+      if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchFlag) + a.rank, epoch);
+    ls->epoch[kDispatchSend] = epoch;
+    io.ticket[0] = static_cast<int32_t>(epoch);
+    io.ticket[1] = io.ticket[2] = io.ticket[3] = 0;
+  });
+}
+
 // dispatch_send. Two independent jobs share the grid, so one launch does both:
 //  - per (token, rank) pair, one warp: if any expert of the token lives on that rank, copy the token (its fp8
 //    scales, its router weights when given) once into tokens[my_rank][t] there. Over NVLink that is each token once per rank, not once per (t, k).
 //  - per global expert g (parts g, g + count, ...): scan the tokens in order; the i-th (t, k) naming g goes to
 //    list[my_rank][e][i] on g's rank (e = g's local index), the count to counts[my_rank][e] there. Ranks come from
 //    warp ballots, so the order is the tokens' order without sorting.
-// Ids outside [0, E) other than -1 are masked and reported (block 0 checks them).
-__device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io, Part part) {
+// Ids outside [0, E) other than -1 are masked and reported (every part checks a share of them: one block alone took
+// ~50 us at prefill). `others`: blocks of other work in the same launch (the remote ranks' pack) that arrive at the
+// half's end too (DispatchSendArrive), so the epoch advances only after every block of the launch has read it.
+__device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io, Part part, int others = 0) {
   const int tokens = io.tokens;
   const uint8_t* x = static_cast<const uint8_t*>(io.x);
   const uint8_t* xs = static_cast<const uint8_t*>(io.x_scale);
   const float* w = io.topk_weights;
   const int32_t* idx = io.topk_idx;
-  int32_t* ticket = io.ticket;
   const MoeShape& s = a.s;
   const int experts = s.num_experts, r = s.experts_per_token, n = s.num_ranks;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -45,11 +59,11 @@ __device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io, 
   __syncthreads();
   TracePart0(a, part, kDispatchSend, epoch, kTraceWaited);
 
+  for (int i = part.id * kThreads + threadIdx.x; i < tokens * r; i += part.count * kThreads) {
+    const int v = idx[i];
+    if (v != -1 && (v < 0 || v >= experts)) RaiseError(a, kBadExpertId, v);
+  }
   if (part.id == 0) {
-    for (int i = threadIdx.x; i < tokens * r; i += kThreads) {
-      const int v = idx[i];
-      if (v != -1 && (v < 0 || v >= experts)) RaiseError(a, kBadExpertId, v);
-    }
     // How many tokens this round has: the receivers' route tables cover those, not max_tokens.
     if (threadIdx.x < n && !IsRemote(a, threadIdx.x))
       reinterpret_cast<int32_t*>(Peer(a, threadIdx.x) + a.lay.sent + slot)[a.rank] = tokens;
@@ -68,7 +82,7 @@ __device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io, 
       const int g = idx[static_cast<size_t>(t) * r + lane];
       here = g >= 0 && g < experts && g / s.local_experts == p;
     }
-    // Own tokens: dispatch_recv reads them from x; remote ranks': DispatchPackKernel.
+    // Own tokens: dispatch_recv reads them from x; remote ranks': the pack blocks (fabric_pack.cuh).
     if (p == a.rank || IsRemote(a, p) || !__any_sync(0xffffffffu, here)) continue;
     uint8_t* dst = Peer(a, p) + a.lay.tokens + slot + (static_cast<size_t>(a.rank) * s.max_tokens + t) * RecordBytes(s);
     const int bytes = s.x_bytes() - off < kChunkBytes ? s.x_bytes() - off : kChunkBytes;
@@ -109,13 +123,7 @@ __device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io, 
     if (threadIdx.x == 0) reinterpret_cast<int32_t*>(peer + a.lay.counts + slot)[a.rank * s.local_experts + e] = running;
   }
 
-  FinishPart(a, part, kDispatchSend, [&](LocalSync* ls) {
-    for (int p = 0; p < n; ++p)
-      if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchFlag) + a.rank, epoch);
-    ls->epoch[kDispatchSend] = epoch;
-    ticket[0] = static_cast<int32_t>(epoch);
-    ticket[1] = ticket[2] = ticket[3] = 0;
-  });
+  DispatchSendArrive(a, io, Part{part.id, part.count + others}, epoch);
 }
 
 // The first indices in list[0, n) (ascending) whose values are >= v0 and >= v1: both searches in lockstep, so their
@@ -372,8 +380,19 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io, 
   });
 }
 
-__global__ void __launch_bounds__(kThreads) DispatchSendKernel(KernelArgs a, DispatchSendIo io) {
-  DispatchSendBody(a, io, BlockPart());
+// dispatch_send's one kernel: with ranks on other nodes its first `packs` blocks fill their regions and ring the
+// proxy's bell (fabric_pack.cuh) while the rest copy over NVLink, so neither waits for the other's launch.
+__global__ void __launch_bounds__(kThreads)
+    DispatchSendKernel(KernelArgs a, DispatchSendIo io, int packs, int per_rank, int fold) {
+  extern __shared__ uint32_t own[];  // the pack blocks' index, where they fold it (FoldBytes)
+  const int sends = static_cast<int>(gridDim.x) - packs;
+  if (static_cast<int>(blockIdx.x) >= packs) {
+    DispatchSendBody(a, io, Part{static_cast<int>(blockIdx.x) - packs, sends}, packs);
+    return;
+  }
+  const unsigned long long epoch = Local(a)->epoch[kDispatchSend] + 1;
+  DispatchPackBody(a, io, per_rank, fold != 0, static_cast<int>(blockIdx.x), packs, epoch, own);
+  DispatchSendArrive(a, io, Part{sends + static_cast<int>(blockIdx.x), sends + packs}, epoch);
 }
 
 __global__ void __launch_bounds__(kThreads, 2) DispatchRecvKernel(KernelArgs a, DispatchRecvIo io) {
@@ -420,17 +439,17 @@ OnePlan DispatchPlan(const KernelArgs& a, int tokens) {
 
 }  // namespace
 
-LaunchShape DispatchSendShape(const KernelArgs& a, int tokens) { return SendShape(a, tokens); }
+LaunchShape DispatchSendShape(const KernelArgs& a, int tokens) {
+  return {DispatchPackPlan(a, tokens).blocks + SendShape(a, tokens).blocks, kThreads};
+}
 LaunchShape DispatchRecvShape(const KernelArgs& a) { return RecvShape(a); }
 LaunchShape DispatchShape(const KernelArgs& a, int tokens) { return {DispatchPlan(a, tokens).blocks, kThreads}; }
 
 cudaError_t LaunchDispatchSend(const KernelArgs& a, const DispatchSendIo& io, cudaStream_t stream) {
-  const int grid = DispatchSendShape(a, io.tokens).blocks;
-  if (a.num_remote > 0) {  // first: it reads the epoch the NVLink kernel advances
-    if (cudaError_t err = LaunchDispatchPack(a, io.tokens, io.x, io.x_scale, io.topk_weights, io.topk_idx, stream); err != cudaSuccess)
-      return err;
-  }
-  DispatchSendKernel<<<grid, kThreads, 0, stream>>>(a, io);
+  const PackPlan pack = DispatchPackPlan(a, io.tokens);
+  if (cudaError_t err = LaunchDispatchIndex(a, pack, io.tokens, io.topk_idx, stream); err != cudaSuccess) return err;
+  const int grid = pack.blocks + SendShape(a, io.tokens).blocks;
+  DispatchSendKernel<<<grid, kThreads, pack.smem, stream>>>(a, io, pack.blocks, pack.per_rank, pack.fold);
   return cudaGetLastError();
 }
 

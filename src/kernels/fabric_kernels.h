@@ -9,10 +9,19 @@
 
 namespace jax_moe::cuda {
 
-// The regions of dispatch_send's remote ranks into the send area, then the bell (before the NVLink kernel, which
-// advances the epoch).
-cudaError_t LaunchDispatchPack(const KernelArgs& a, int tokens, const void* x, const void* x_scale,
-                               const float* topk_weights, const int32_t* topk_idx, cudaStream_t stream);
+// dispatch_send's pack blocks (fabric_pack.cuh), the first `blocks` of its kernel: per_rank for each remote rank;
+// `fold`: each derives the index in `smem` bytes of its shared memory (decode), else the index kernel runs first.
+struct PackPlan {
+  int blocks = 0;  // 0: no remote ranks
+  int per_rank = 0;
+  int fold = 0;
+  size_t smem = 0;
+};
+PackPlan DispatchPackPlan(const KernelArgs& a, int tokens);
+
+// The dispatch index for the pack blocks, before dispatch_send's kernel (nothing where they fold it or are none).
+cudaError_t LaunchDispatchIndex(const KernelArgs& a, const PackPlan& plan, int tokens, const int32_t* topk_idx,
+                                cudaStream_t stream);
 
 // The index of channel `channel`'s remote rows for combine mode `mode`, before combine_recv's kernel, which reads its
 // rows of remote ranks from it.

@@ -77,8 +77,9 @@ cudaError_t LaunchDispatch(const KernelArgs& a, const DispatchSendIo& send, cons
 cudaError_t LaunchCombine(const KernelArgs& a, const CombineSendIo& send, const CombineRecvIo& recv,
                           cudaStream_t stream, bool* send_launched);
 
-// Blocks and threads per block of the NVLink kernel of each half (the launchers use them; the benchmark reports
-// them): how many SMs a half occupies while its data is in flight. Ranks on other nodes add the pack / index kernels.
+// Blocks and threads per block of the kernel of each half (the launchers use them; the benchmark reports them): how
+// many SMs a half occupies while its data is in flight. dispatch_send's include the pack blocks of ranks on other
+// nodes; their index kernels (past decode) come before it.
 struct LaunchShape {
   int blocks = 0;
   int threads = 0;

@@ -105,7 +105,7 @@ struct LocalSync {
   int timed_out;                      // a wait timed out: later waits give up at once (device copy of the error)
   unsigned int error_seq;             // number of the last error published to the host (0: none yet)
   unsigned long long error;           // the running launch's first error (kind << 32 | detail), published at its end
-  unsigned int pack_done;             // blocks finished in the running dispatch pack launch (remote ranks)
+  unsigned int pack_done;             // pack blocks finished in the running dispatch_send launch (remote ranks)
   // Per fabric stream, the pump's kSent / kArrived words as block 0 last saw them in host memory: the other blocks
   // wait on this copy, so that one thread per launch polls over PCIe, not one per block (see WaitFabric).
   unsigned long long fab_seen[1 + kCombineChannels][2];

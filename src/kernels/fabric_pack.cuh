@@ -1,0 +1,92 @@
+// dispatch_send's part for ranks on other nodes: the remote ranks' regions of the send area (layout in moe_layout.h,
+// "ranks on other nodes"), then the bell the host proxy waits on. Run by the first blocks of dispatch_send's one
+// kernel (dispatch.cu), beside the blocks that copy over NVLink, so that neither waits for the other.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/copy.cuh"
+#include "kernels/fabric_index.cuh"
+#include "kernels/fabric_mark.cuh"
+#include "kernels/moe_kernels.h"
+#include "kernels/sync.cuh"
+
+namespace jax_moe::cuda {
+
+// Pack block `block` of `blocks` (per_rank for each remote rank) serves the i-th remote rank p = RemoteRank(block /
+// per_rank) from the dispatch index (IndexKernel, before this launch in stream order; with `fold`, its own copy in
+// `own`, FoldBytes of shared memory): a warp per token t = (b * kWarps + warp) + k * per_rank * kWarps writes its
+// entries into the lists (lane k: entry k) and its record. The last pack block rings the bell. `epoch`: this call's.
+__device__ inline void DispatchPackBody(const KernelArgs& a, const DispatchSendIo& io, int per_rank, bool fold,
+                                        int block, int blocks, unsigned long long epoch, uint32_t* own) {
+  __shared__ int sums[kWarps];
+  __shared__ int free_ok;
+  const MoeShape& s = a.s;
+  const int r = s.experts_per_token, l = s.local_experts, tokens = io.tokens;
+  const uint8_t* x = static_cast<const uint8_t*>(io.x);
+  const uint8_t* xs = static_cast<const uint8_t*>(io.x_scale);
+  const float* w = io.topk_weights;
+  const int32_t* idx = io.topk_idx;
+  const FabricArgs& fab = a.fab[0];
+  const int b = block % per_rank;
+  const int p = RemoteRank(a, block / per_rank);
+  // The NIC must be done with this lane's previous round before it is rewritten. Pack block 0 (block 0 of the
+  // launch) polls the host word; the others wait on its device copy (WaitFabric).
+  if (threadIdx.x == 0)
+    free_ok = p >= 0 && WaitFabric(a, fab, proxy::kSent, SlotPredecessor(epoch), kDispatchAck * kWaitStride + p, 0,
+                                   Part{block, blocks});
+  __syncthreads();
+  if (free_ok) {  // the same for the whole block
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    RankIndex ix = IndexOf(a, 0, p);
+    if (fold) {
+      const int chunks = (tokens + kIndexChunk - 1) / kIndexChunk;  // <= kWarps
+      ix = SharedIndex(own, l);
+      if (warp < chunks) MarkChunk(a, p, warp, tokens, idx, true, ix.mask + warp, ix.bits + warp * l);
+      __syncthreads();
+      IndexPrefixes<false>(a, ix, chunks, true, sums);
+      __syncthreads();
+    }
+    uint8_t* region = SendRegion(fab, a, epoch, p);
+    int32_t* list = reinterpret_cast<int32_t*>(region + FabricHeaderBytes(s));
+    uint8_t* records = region + FabricRecordsOffset(s);
+    for (int t = b * kWarps + warp; t < tokens; t += per_rank * kWarps) {
+      const int slot = SlotOf(ix, t);
+      if (slot < 0) continue;  // the same for the whole warp
+      // Lane k: entry k, if it is the first naming a valid expert and that expert is on p.
+      const int g = lane < r ? idx[static_cast<size_t>(t) * r + lane] : -1;
+      bool mine = g >= 0 && g < s.num_experts && g / l == p;
+      for (int k = 0; k + 1 < r; ++k) {
+        const int h = __shfl_sync(0xffffffffu, g, k);
+        if (k < lane && h == g) mine = false;
+      }
+      if (mine) list[EntryOf(ix, l, t, g - p * l)] = slot * r + lane;
+      uint8_t* dst = records + static_cast<size_t>(slot) * FabricRecordBytes(s);
+      WarpCopy16(dst, x + static_cast<size_t>(t) * s.x_bytes(), s.x_bytes(), lane);
+      if (xs) WarpCopy4(dst + s.x_bytes(), xs + static_cast<size_t>(t) * s.scale_bytes(), s.scale_bytes(), lane);
+      if (w && lane < r)  // the expert rank weights and sums this token's rows by them (combine kWeighted)
+        reinterpret_cast<float*>(dst + s.x_bytes() + s.scale_bytes())[lane] = w[static_cast<size_t>(t) * r + lane];
+    }
+    if (b == 0) {
+      int32_t* counts = proxy::HeaderCounts(reinterpret_cast<proxy::RegionHeader*>(region));
+      for (int e = threadIdx.x; e < l; e += blockDim.x) counts[e] = ix.off[e + 1] - ix.off[e];
+      if (threadIdx.x == 0) {
+        StoreHeader(region, fab, a, epoch, ix.off[l + 1]);
+        fab.bytes[(epoch % kFabricLanes) * s.num_ranks + p] = FabricDispatchBytes(s, ix.off[l + 1]);
+      }
+    }
+  }
+  // Every pack block's stores reach host memory before the proxy sees the bell (as FinishPart orders a launch's end).
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    LocalSync* ls = Local(a);
+    if (atomicAdd(&ls->pack_done, 1u) == static_cast<unsigned>(blocks) - 1) {
+      ls->pack_done = 0;
+      __threadfence_system();
+      if (!*reinterpret_cast<volatile int*>(&ls->timed_out)) StoreReleaseSys(fab.bell + proxy::kRung, epoch);
+    }
+  }
+}
+
+}  // namespace jax_moe::cuda
