@@ -4,7 +4,8 @@ Per rank and operation (dispatch, then combine), three programs, each timed by s
 GPU, the host clock on CPU; the slowest rank per iteration):
 - comm:    send -> recv;
 - gemm:    the GEMM alone: the received rows' worth of tokens (T x top-k rows of `hidden`) times a [hidden, F] bf16
-           matrix, F chosen so that the GEMM alone takes about as long as the communication;
+           matrix, F chosen so that the GEMM alone takes about as long as the communication (scaled from a probe
+           width, and once more from the chosen width where that GEMM took under 0.9x or over 1.25x the comm);
 - overlap: send -> GEMM -> recv, the GEMM pinned between the halves by the stamps around it (its input waits for
            the send's handle, the recv's handle waits for its output).
 Hidden fraction = (t_comm + t_gemm - t_overlap) / t_comm (1: all of the communication hidden, 0: none); the GEMM's
@@ -154,9 +155,19 @@ def measure(comm, mesh, inputs, op: str, iters: int, warmup: int, gpu: bool) -> 
     probe = 1024
     t_probe = float(np.median(_run(_programs(comm, op, stamp, probe)[1], mesh, inputs, max(5, iters // 4), warmup,
                                    gpu)[:, 0]))
-    f = int(np.clip(round(probe * t_comm / max(t_probe, 1e-3) / 128) * 128, 128, 1 << 17))
+
+    def width(t_f: float, f0: int) -> int:  # the F that scales a GEMM of width f0 timed at t_f to t_comm
+        return int(np.clip(round(f0 * t_comm / max(t_f, 1e-3) / 128) * 128, 128, 1 << 17))
+
+    f = width(t_probe, probe)
     _, gemm_body, overlap_body = _programs(comm, op, stamp, f)
     t_gemm = float(np.median(_run(gemm_body, mesh, inputs, iters, warmup, gpu)[:, 0]))
+    if not 0.9 <= t_gemm / max(t_comm, 1e-3) <= 1.25 and width(t_gemm, f) != f:
+        # The probe's scale missed (GEMM time is not quite linear in F, and a shared GPU varies): once more from the
+        # width just timed. A GEMM shorter than the communication could not hide all of it however well they overlap.
+        f = width(t_gemm, f)
+        _, gemm_body, overlap_body = _programs(comm, op, stamp, f)
+        t_gemm = float(np.median(_run(gemm_body, mesh, inputs, iters, warmup, gpu)[:, 0]))
     ov = _run(overlap_body, mesh, inputs, iters, warmup, gpu)  # [iters, 3]: send, gemm, recv
     # JAX_MOE_CUDA_TRACE=1: the halves' device timeline in the overlap program (is the recv after the GEMM still
     # waiting for its peers, or working?).
