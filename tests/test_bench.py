@@ -83,6 +83,23 @@ def test_overlap_bench_across_processes(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert [(r["op"], r["ranks"]) for r in rows] == [("dispatch", 2), ("combine", 2)], rows
     assert all(r["comm_us"] > 0 and r["overlap_us"] > 0 and r["min_step_us"] >= 0 for r in rows)
+    assert all(0 <= r["sends_apart_us"] < 60e6 for r in rows), rows  # one host's clock: both processes stamp it
+
+
+def test_sends_apart_is_the_spread_of_the_ranks_first_stamps():
+    """`bench overlap`'s "ranks' sends apart": per iteration, the latest rank's first stamp minus the earliest's
+    (ns in, us out), p50 over iterations; later stamps do not enter it."""
+    from jax_moe.bench.overlap import sends_apart_us
+    rng = np.random.default_rng()
+    n, iters = int(rng.integers(2, 6)), int(rng.integers(3, 40)) | 1
+    base = rng.integers(0, 10**12, size=(1, iters, 1))
+    ns = base + rng.integers(0, 10**6, size=(n, iters, 4))  # [n, iters, stamps]
+    first = ns[..., 0]
+    want = np.sort(first.max(axis=0) - first.min(axis=0))[iters // 2] / 1e3
+    assert sends_apart_us(ns) == pytest.approx(want)
+    ns[..., 1:] += rng.integers(0, 10**9, size=(n, iters, 3))
+    assert sends_apart_us(ns) == pytest.approx(want)
+    assert sends_apart_us(np.repeat(ns[:1], n, axis=0)) == 0.0
 
 
 @pytest.mark.multiprocess
@@ -126,6 +143,7 @@ def test_overlap_bench_runs_end_to_end_on_cpu(tmp_path):
         assert r["comm_us"] > 0 and r["gemm_us"] > 0 and r["gemm_f"] % 128 == 0
         assert r["min_step_us"] >= 0 and 0 < r["gemm_in_overlap_us"] and r["overlap_us"] > 0
         assert r["hidden_fraction"] == pytest.approx((r["comm_us"] + r["gemm_us"] - r["overlap_us"]) / r["comm_us"])
+        assert r["sends_apart_us"] >= 0  # one process, one clock
 
 
 def test_the_launcher_loads_cuda_modules_eagerly_unless_told(monkeypatch):

@@ -135,15 +135,26 @@ def _programs(comm, op: str, stamp, gemm_f: int):
     return comm_body, gemm_body, overlap_body
 
 
-def _run(body, mesh, inputs, iters: int, warmup: int, gpu: bool) -> np.ndarray:
-    """[iters, k] ns between successive stamps, the max over ranks per iteration."""
+def _run(body, mesh, inputs, iters: int, warmup: int, gpu: bool, stamps: bool = False):
+    """[iters, k] us between successive stamps, the max over ranks per iteration; with `stamps`, also the stamps
+    themselves, [n, iters, k + 1] ns."""
     f, args = program(body, mesh, inputs, place=multihost.place)
     for _ in range(warmup):
         jax.block_until_ready(f(*args))
     runs = [f(*args) for _ in range(iters)]
     runs = [multihost.gather(r) for r in runs]  # each [n, k, words], in every process
     ns = _ns(np.stack(runs, axis=1), gpu)  # [n, iters, k]
-    return np.diff(ns, axis=-1).max(axis=0) / 1e3  # us
+    steps = np.diff(ns, axis=-1).max(axis=0) / 1e3  # us
+    return (steps, ns) if stamps else steps
+
+
+def sends_apart_us(ns: np.ndarray) -> float:
+    """p50 over iterations of how far apart the ranks' first stamps (their sends' starts) were, us. A receive waits
+    for its slowest peer's send, so this is the part of `recv after the GEMM` that no overlap can hide. Meaningful
+    where the ranks share a clock: one GPU's (its processes under MPS) or one host's (the cpu backend); `bench overlap
+    --processes` runs on one host."""
+    first = ns[..., 0]  # [n, iters]
+    return float(np.median(first.max(axis=0) - first.min(axis=0)) / 1e3)
 
 
 def measure(comm, mesh, inputs, op: str, iters: int, warmup: int, gpu: bool) -> dict:
@@ -168,7 +179,7 @@ def measure(comm, mesh, inputs, op: str, iters: int, warmup: int, gpu: bool) -> 
         f = width(t_gemm, f)
         _, gemm_body, overlap_body = _programs(comm, op, stamp, f)
         t_gemm = float(np.median(_run(gemm_body, mesh, inputs, iters, warmup, gpu)[:, 0]))
-    ov = _run(overlap_body, mesh, inputs, iters, warmup, gpu)  # [iters, 3]: send, gemm, recv
+    ov, ov_ns = _run(overlap_body, mesh, inputs, iters, warmup, gpu, stamps=True)  # [iters, 3]: send, gemm, recv
     # JAX_MOE_CUDA_TRACE=1: the halves' device timeline in the overlap program (is the recv after the GEMM still
     # waiting for its peers, or working?).
     trace = diagnostics.trace_summary(comm, (op,))
@@ -177,7 +188,7 @@ def measure(comm, mesh, inputs, op: str, iters: int, warmup: int, gpu: bool) -> 
     return {"op": op, "comm_us": t_comm, "gemm_us": t_gemm, "gemm_f": f, "gemm_rows": inputs[0].shape[0]
             // mesh.size * comm.cfg.experts_per_token, "gemm_hidden": hidden, "overlap_us": t_total,
             "gemm_in_overlap_us": t_gemm_in, "send_us": float(np.median(ov[:, 0])),
-            "recv_after_gemm_us": float(np.median(ov[:, 2])),
+            "recv_after_gemm_us": float(np.median(ov[:, 2])), "sends_apart_us": sends_apart_us(ov_ns),
             "hidden_fraction": (t_comm + t_gemm - t_total) / t_comm if t_comm > 0 else None,
             "gemm_slowdown": t_gemm_in / t_gemm - 1 if t_gemm > 0 else None,
             "min_step_us": float(ov.min()),  # stamps in program order: never negative
@@ -221,7 +232,8 @@ def main(argv) -> int:
     print(f"[overlap] platform={jax.default_backend()} ranks={n}{nodes} devices={devices[0].device_kind} "
           f"backends={backends} shapes={shapes}; us, p50 of the slowest rank", flush=True)
     print(f"{'shape':<8}{'backend':<8}{'op':<9}{'comm':>9}{'gemm':>9}{'both':>9}{'hidden':>8}{'gemm slowed':>12}"
-          f"{'GEMM':>22}  SMs of our send kernel (none between the halves); in `both`: send, recv after the GEMM")
+          f"{'GEMM':>22}  SMs of our send kernel (none between the halves); in `both`: send, recv after the GEMM, the "
+          f"ranks' sends apart")
     results = []
     for shape in shapes:
         if shape not in SHAPES:
@@ -261,7 +273,8 @@ def main(argv) -> int:
                       f"{res['overlap_us']:>9.1f}{100 * hid:>7.0f}%{100 * slow:>11.0f}%"
                       f"{res['gemm_rows']:>7}x{hidden}x{res['gemm_f']:<8}  "
                       f"{'-' if res['sms_in_flight'] is None else res['sms_in_flight']:>4}  "
-                      f"{res['send_us']:.1f}, {res['recv_after_gemm_us']:.1f}", flush=True)
+                      f"{res['send_us']:.1f}, {res['recv_after_gemm_us']:.1f}, {res['sends_apart_us']:.1f}",
+                      flush=True)
             del comm
     if args.json and leader:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
