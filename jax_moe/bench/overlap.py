@@ -170,15 +170,17 @@ def measure(comm, mesh, inputs, op: str, iters: int, warmup: int, gpu: bool) -> 
     def width(t_f: float, f0: int) -> int:  # the F that scales a GEMM of width f0 timed at t_f to t_comm
         return int(np.clip(round(f0 * t_comm / max(t_f, 1e-3) / 128) * 128, 128, 1 << 17))
 
+    def gemm_at(f: int):  # the overlap program of width f, and the GEMM alone's p50 at that width
+        _, gemm_body, overlap_body = _programs(comm, op, stamp, f)
+        return overlap_body, float(np.median(_run(gemm_body, mesh, inputs, iters, warmup, gpu)[:, 0]))
+
     f = width(t_probe, probe)
-    _, gemm_body, overlap_body = _programs(comm, op, stamp, f)
-    t_gemm = float(np.median(_run(gemm_body, mesh, inputs, iters, warmup, gpu)[:, 0]))
+    overlap_body, t_gemm = gemm_at(f)
     if not 0.9 <= t_gemm / max(t_comm, 1e-3) <= 1.25 and width(t_gemm, f) != f:
         # The probe's scale missed (GEMM time is not quite linear in F, and a shared GPU varies): once more from the
         # width just timed. A GEMM shorter than the communication could not hide all of it however well they overlap.
         f = width(t_gemm, f)
-        _, gemm_body, overlap_body = _programs(comm, op, stamp, f)
-        t_gemm = float(np.median(_run(gemm_body, mesh, inputs, iters, warmup, gpu)[:, 0]))
+        overlap_body, t_gemm = gemm_at(f)
     ov, ov_ns = _run(overlap_body, mesh, inputs, iters, warmup, gpu, stamps=True)  # [iters, 3]: send, gemm, recv
     # JAX_MOE_CUDA_TRACE=1: the halves' device timeline in the overlap program (is the recv after the GEMM still
     # waiting for its peers, or working?).
