@@ -102,6 +102,36 @@ def test_sends_apart_is_the_spread_of_the_ranks_first_stamps():
     assert sends_apart_us(np.repeat(ns[:1], n, axis=0)) == 0.0
 
 
+def test_overlap_rounds_run_one_after_another_in_one_program():
+    """`bench overlap --unroll`: a program runs `unroll` rounds, each starting after the one before has ended (its
+    first stamp after the previous round's last), every round's stamps come back in order, and the iteration count
+    is rounded up to whole programs."""
+    import jax
+    import jax.numpy as jnp
+    from jax_moe.backends import cpu as cpu_backend
+    from jax_moe.bench.overlap import _run
+    from jax_moe.bench.programs import make_inputs
+    rng = np.random.default_rng()
+    devices = jax.devices()
+    n = len(devices)
+    mesh = jax.make_mesh((n,), ("ep",), devices=devices)
+    inputs = make_inputs(rng, n, 8, 64, 4 * n, 2, False)
+    unroll, iters = int(rng.integers(2, 5)), int(rng.integers(3, 9))
+
+    def body(x, xs, idx, w):
+        x, t0 = cpu_backend.timestamp(x, x)
+        y = jnp.tanh(x.astype(jnp.float32) @ x.astype(jnp.float32).T)  # some work between the stamps
+        y, t1 = cpu_backend.timestamp(y, y)
+        return jnp.stack([t0, t1])[None]
+
+    steps, ns = _run(body, mesh, inputs, iters, 1, False, stamps=True, unroll=unroll)
+    programs = -(-iters // min(unroll, iters))
+    assert ns.shape == (n, programs * min(unroll, iters), 2) and steps.shape == (ns.shape[1], 1), (ns.shape, steps.shape)
+    flat = ns.reshape(n, -1)  # per rank: t0, t1 of round 0, t0, t1 of round 1, ...
+    assert (np.diff(flat, axis=1) >= 0).all(), flat
+    assert (steps >= 0).all()
+
+
 @pytest.mark.multiprocess
 def test_moe_bench_across_processes_on_cpu(tmp_path):
     """`bench moe --processes 2` on CPU: the "cpu" backend's ranks of the other process go through the proxy, XLA's

@@ -11,6 +11,12 @@ GPU, the host clock on CPU; the slowest rank per iteration):
 Hidden fraction = (t_comm + t_gemm - t_overlap) / t_comm (1: all of the communication hidden, 0: none); the GEMM's
 slowdown = its time inside the overlap program / its time alone - 1. p50s; the same options as `bench moe`.
 
+On GPUs, as in `bench moe`, --unroll rounds run in one program after ~10 ms of matrix products, each round starting
+once the one before has ended: the host enqueues the program while the GPU is busy, so the rounds are paced by the
+GPU and the ranks stay in step. With one round per program, each process's rounds would start when its own host
+launched them, and a receive would also wait out how far apart two hosts launch (measured at ~500 us between two
+processes on one H200, 2026-12-04, where the same dispatch took ~270 us in `bench moe`).
+
 What occupies the device while data is in flight: every half is its own kernel (or host call), none stays resident
 between send and recv, so the GEMM has the whole GPU. On the NVLink path the send kernel itself moves the bytes (a
 receiver only waits for flags), on the proxy path and the "cpu" backend a host thread does.
@@ -18,6 +24,7 @@ receiver only waits for flags), on the proxy path and the "cpu" backend a host t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -34,7 +41,7 @@ from jax_moe import multihost
 from jax_moe.communicator import FABRIC_PROVIDERS
 from jax_moe.bench import diagnostics, micro_batches, processes
 from jax_moe.bench.moe import SHAPES
-from jax_moe.bench.programs import make_inputs, program
+from jax_moe.bench.programs import busy, make_inputs, program
 from jax_moe.types import CombineHandle, DispatchHandle
 
 
@@ -45,6 +52,7 @@ def _parse(argv):
                                                  "small on CPU)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default 200 on GPU, 20 on CPU)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--unroll", type=int, default=10, help="rounds per program on GPU (one on CPU)")
     p.add_argument("--cpu-devices", type=int, default=4, help="simulated CPU devices (CPU platform only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--micro-batches", action="store_true",
@@ -135,15 +143,31 @@ def _programs(comm, op: str, stamp, gemm_f: int):
     return comm_body, gemm_body, overlap_body
 
 
-def _run(body, mesh, inputs, iters: int, warmup: int, gpu: bool, stamps: bool = False):
-    """[iters, k] us between successive stamps, the max over ranks per iteration; with `stamps`, also the stamps
-    themselves, [n, iters, k + 1] ns."""
-    f, args = program(body, mesh, inputs, place=multihost.place)
+def rounds(body, unroll: int, gpu: bool, stamp: Callable) -> Callable:
+    """`body` (one round's stamps, [1, k, words]) run `unroll` times in one program, each round after the one before
+    has ended; on GPU after `busy` (see the module's docstring). Returns [1, unroll, k, words]."""
+    def f(x, xs, idx, w):
+        dep = busy(x) if gpu else x
+        out = []
+        for _ in range(unroll):
+            xi, _ = stamp(x, dep)  # x, once the previous round's last stamp exists
+            out.append(body(xi, xs, idx, w)[0])
+            dep = out[-1]
+        return jnp.stack(out)[None]
+    return f
+
+
+def _run(body, mesh, inputs, iters: int, warmup: int, gpu: bool, stamps: bool = False, unroll: int = 1):
+    """[iters, k] us between successive stamps, the max over ranks per round; with `stamps`, also the stamps
+    themselves, [n, iters, k + 1] ns. Rounds `unroll` at a time in one program (rounds())."""
+    unroll = max(1, min(unroll, iters))
+    f, args = program(rounds(body, unroll, gpu, _stamper(gpu)) if unroll > 1 else body, mesh, inputs,
+                      place=multihost.place)
     for _ in range(warmup):
         jax.block_until_ready(f(*args))
-    runs = [f(*args) for _ in range(iters)]
-    runs = [multihost.gather(r) for r in runs]  # each [n, k, words], in every process
-    ns = _ns(np.stack(runs, axis=1), gpu)  # [n, iters, k]
+    runs = [f(*args) for _ in range(-(-iters // unroll))]
+    runs = [multihost.gather(r) for r in runs]  # each [n, (unroll,) k, words], in every process
+    ns = _ns(np.concatenate(runs, axis=1) if unroll > 1 else np.stack(runs, axis=1), gpu)  # [n, iters', k]
     steps = np.diff(ns, axis=-1).max(axis=0) / 1e3  # us
     return (steps, ns) if stamps else steps
 
@@ -157,14 +181,15 @@ def sends_apart_us(ns: np.ndarray) -> float:
     return float(np.median(first.max(axis=0) - first.min(axis=0)) / 1e3)
 
 
-def measure(comm, mesh, inputs, op: str, iters: int, warmup: int, gpu: bool) -> dict:
+def measure(comm, mesh, inputs, op: str, iters: int, warmup: int, gpu: bool, unroll: int = 1) -> dict:
+    run = functools.partial(_run, unroll=unroll)
     stamp = _stamper(gpu)
     hidden = inputs[0].shape[1]
     comm_body, _, _ = _programs(comm, op, stamp, 128)
-    t_comm = float(np.median(_run(comm_body, mesh, inputs, iters, warmup, gpu)[:, 0]))
+    t_comm = float(np.median(run(comm_body, mesh, inputs, iters, warmup, gpu)[:, 0]))
     # F so that the GEMM alone takes about t_comm: time a probe width, then scale (GEMM time is ~linear in F).
     probe = 1024
-    t_probe = float(np.median(_run(_programs(comm, op, stamp, probe)[1], mesh, inputs, max(5, iters // 4), warmup,
+    t_probe = float(np.median(run(_programs(comm, op, stamp, probe)[1], mesh, inputs, max(5, iters // 4), warmup,
                                    gpu)[:, 0]))
 
     def width(t_f: float, f0: int) -> int:  # the F that scales a GEMM of width f0 timed at t_f to t_comm
@@ -172,7 +197,7 @@ def measure(comm, mesh, inputs, op: str, iters: int, warmup: int, gpu: bool) -> 
 
     def gemm_at(f: int):  # the overlap program of width f, and the GEMM alone's p50 at that width
         _, gemm_body, overlap_body = _programs(comm, op, stamp, f)
-        return overlap_body, float(np.median(_run(gemm_body, mesh, inputs, iters, warmup, gpu)[:, 0]))
+        return overlap_body, float(np.median(run(gemm_body, mesh, inputs, iters, warmup, gpu)[:, 0]))
 
     f = width(t_probe, probe)
     overlap_body, t_gemm = gemm_at(f)
@@ -181,7 +206,7 @@ def measure(comm, mesh, inputs, op: str, iters: int, warmup: int, gpu: bool) -> 
         # width just timed. A GEMM shorter than the communication could not hide all of it however well they overlap.
         f = width(t_gemm, f)
         overlap_body, t_gemm = gemm_at(f)
-    ov, ov_ns = _run(overlap_body, mesh, inputs, iters, warmup, gpu, stamps=True)  # [iters, 3]: send, gemm, recv
+    ov, ov_ns = run(overlap_body, mesh, inputs, iters, warmup, gpu, stamps=True)  # [iters, 3]: send, gemm, recv
     # JAX_MOE_CUDA_TRACE=1: the halves' device timeline in the overlap program (is the recv after the GEMM still
     # waiting for its peers, or working?).
     trace = diagnostics.trace_summary(comm, (op,))
@@ -226,6 +251,7 @@ def main(argv) -> int:
     backends = (args.backend or ("cuda" if gpu else "cpu")).split(",")
     shapes = (args.shape or ("decode" if gpu else "small")).split(",")
     iters = args.iters or (200 if gpu else 20)
+    unroll = args.unroll if gpu else 1  # CPU: the host clock is the device's, no launch gap to hide
     devices = jax.devices()
     n = len(devices)
     mesh = jax.make_mesh((n,), ("ep",), devices=devices)
@@ -256,7 +282,9 @@ def main(argv) -> int:
                 continue
             if args.micro_batches:
                 mb = {"shape": shape, "backend": backend, "ranks": n, "op": "two micro-batches",
-                      **micro_batches.measure(comm, mesh, inputs, iters, args.warmup, gpu, _run, _stamper(gpu))}
+                      **micro_batches.measure(comm, mesh, inputs, iters, args.warmup, gpu,
+                                                              functools.partial(_run, unroll=unroll),
+                                                              _stamper(gpu))}
                 results.append(mb)
                 print(f"{shape:<8}{backend:<8}two micro-batches: comm {mb['comm_us']:.1f}, one after the other "
                       f"{mb['sequential_us']:.1f}, two in flight {mb['two_us']:.1f} us: "
@@ -267,7 +295,7 @@ def main(argv) -> int:
                           f"{100 * mb['both_open_hidden_fraction']:.0f}% hidden", flush=True)
             for op in ("dispatch", "combine"):
                 res = {"shape": shape, "backend": backend, "ranks": n,
-                       **measure(comm, mesh, inputs, op, iters, args.warmup, gpu), **sms_in_flight(comm, op, t)}
+                       **measure(comm, mesh, inputs, op, iters, args.warmup, gpu, unroll), **sms_in_flight(comm, op, t)}
                 results.append(res)
                 hid = res["hidden_fraction"]
                 slow = res["gemm_slowdown"]

@@ -121,7 +121,7 @@ def _ragged_iteration(n, l, axis, stamp, x, xs, idx, w, dep):
     return out, jnp.concatenate([t0, t0, t2, t3, t3, t5])
 
 
-def _busy(x):
+def busy(x):
     """~10 ms of matrix products that the first iteration waits for: the host enqueues the unrolled iterations
     meanwhile, so the stamps measure the GPU, not the rate at which XLA launches kernels."""
     a = jnp.full((8192, 8192), 1e-3, jnp.bfloat16) * x.reshape(-1)[0].astype(jnp.bfloat16)
@@ -146,7 +146,7 @@ def gpu_run(kind, comm_or_none, mesh, n, l, inputs, iters, unroll, warmup, split
     axis = mesh.axis_names[0]
 
     def body(x, xs, idx, w):
-        out, stamps = _busy(x), []
+        out, stamps = busy(x), []
         for _ in range(unroll):
             dep = out
             if kind == "xla-ragged":
