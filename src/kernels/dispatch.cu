@@ -382,7 +382,7 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io, 
 
 // dispatch_send's one kernel: with ranks on other nodes its first `packs` blocks fill their regions and ring the
 // proxy's bell (fabric_pack.cuh) while the rest copy over NVLink, so neither waits for the other's launch.
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)  // two an SM: the pack blocks take one, the NVLink blocks the other
     DispatchSendKernel(KernelArgs a, DispatchSendIo io, int packs, int per_rank, int fold) {
   extern __shared__ uint32_t own[];  // the pack blocks' index, where they fold it (FoldBytes)
   const int sends = static_cast<int>(gridDim.x) - packs;

@@ -90,7 +90,8 @@ __device__ __forceinline__ void MaxReleaseSys(unsigned long long* p, unsigned lo
 // acquire of the host word and its release of the copy chain (causality is transitive), so every block sees what
 // the proxy made visible before it raised the word, without a read of its own over PCIe: every block polling host
 // memory flooded the link that the receive kernels read their rows through, when the rows are in host memory.
-// Part 0 polls: only a half's own kernel waits on the fabric (never the one-shot kernel), so part 0 is block 0.
+// Part 0 polls: only a half's own kernel waits on the fabric (never the one-shot kernel), and there part 0 is block 0
+// (dispatch_send's pack blocks come first in its launch, and are given their block index as their part).
 __device__ __forceinline__ bool WaitFabric(const KernelArgs& a, const FabricArgs& f, int word, unsigned long long want,
                                            int which, int stream, Part part) {
   unsigned long long* seen = &Local(a)->fab_seen[stream][word == proxy::kSent ? 0 : 1];
