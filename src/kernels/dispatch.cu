@@ -29,6 +29,58 @@ __device__ void DispatchSendArrive(const KernelArgs& a, const DispatchSendIo& io
   });
 }
 
+constexpr int kScanTiles = 4;  // tiles of kThreads tokens in one pass of ListExpert beyond one tile: a 16-bit lane of
+                               // a 64-bit word counts each (at most kThreads)
+static_assert(kScanTiles * 16 <= 64 && kThreads < (1 << 16), "a tile's count fits its 16-bit lane");
+
+// Writes, in token order, t * r + k for each token t whose first entry naming g is k into list; returns how many. Every
+// thread of the block calls it (barriers); `counts`: shared scratch of one word per warp. A pass takes Tiles tiles of
+// kThreads tokens, a token a thread: the Tiles rows' loads are in flight together (no branch between them: a row past
+// the tokens reads token 0's), and one barrier pair counts all tiles, a 16-bit lane of each warp's word per tile. One
+// tile a pass waited out a load latency and two barriers 16 times per expert at prefill (4096 tokens); at decode one
+// tile covers every token.
+template <int Tiles>
+__device__ int ListExpert(const int32_t* idx, int tokens, int r, int g, int32_t* list, unsigned long long* counts) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned below = (1u << lane) - 1u;
+  int running = 0;
+  for (int base = 0; base < tokens; base += kThreads * Tiles) {
+    int kf[Tiles];  // the first entry of this thread's token of tile j naming g (later repeats masked), or -1
+    unsigned m[Tiles];
+    unsigned long long mine = 0;  // this warp's count per tile, a 16-bit lane each
+#pragma unroll
+    for (int j = 0; j < Tiles; ++j) {
+      const int t = base + j * kThreads + static_cast<int>(threadIdx.x);
+      const int32_t* row = idx + static_cast<size_t>(t < tokens ? t : 0) * r;
+      int f = -1;
+#pragma unroll 8
+      for (int k = r - 1; k >= 0; --k)
+        if (row[k] == g) f = k;
+      kf[j] = t < tokens ? f : -1;
+      m[j] = __ballot_sync(0xffffffffu, kf[j] >= 0);
+      mine |= static_cast<unsigned long long>(__popc(m[j])) << (16 * j);
+    }
+    if (lane == 0) counts[warp] = mine;
+    __syncthreads();
+    unsigned long long before = 0, total = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const unsigned long long c = counts[w];
+      before += w < warp ? c : 0;
+      total += c;
+    }
+#pragma unroll
+    for (int j = 0; j < Tiles; ++j) {
+      if (kf[j] >= 0)
+        list[running + static_cast<int>((before >> (16 * j)) & 0xffffu) + __popc(m[j] & below)] =
+            (base + j * kThreads + static_cast<int>(threadIdx.x)) * r + kf[j];
+      running += static_cast<int>((total >> (16 * j)) & 0xffffu);
+    }
+    __syncthreads();  // counts is rewritten by the next pass
+  }
+  return running;
+}
+
 // dispatch_send. Two independent jobs share the grid, so one launch does both:
 //  - per (token, rank) pair, one warp: if any expert of the token lives on that rank, copy the token (its fp8
 //    scales, its router weights when given) once into tokens[my_rank][t] there. Over NVLink that is each token once per rank, not once per (t, k).
@@ -49,7 +101,7 @@ __device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io, 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned long long epoch = Local(a)->epoch[kDispatchSend] + 1;
   const size_t slot = RoundSlot(epoch) * a.lay.dispatch_slot;  // the receivers' areas of this round
-  __shared__ int warp_count[kWarps];
+  __shared__ unsigned long long scan_counts[kWarps];  // ListExpert's per-warp counts
   TracePart0(a, part, kDispatchSend, epoch, kTraceStart);
 
   // The receivers must have consumed the last round in this slot before its areas are overwritten.
@@ -97,29 +149,8 @@ __device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io, 
     if (IsRemote(a, p)) continue;  // the same for the whole block
     uint8_t* peer = Peer(a, p);
     int32_t* list = reinterpret_cast<int32_t*>(peer + a.lay.list + slot) + (static_cast<size_t>(a.rank) * s.local_experts + e) * s.max_tokens;
-    int running = 0;
-    for (int base = 0; base < tokens; base += kThreads) {
-      const int t = base + threadIdx.x;
-      int kf = -1;
-      if (t < tokens) {  // the first entry naming g (later repeats are masked); no early exit, so loads pipeline
-        const int32_t* row = idx + static_cast<size_t>(t) * r;
-#pragma unroll 8
-        for (int k = r - 1; k >= 0; --k)
-          if (row[k] == g) kf = k;
-      }
-      const unsigned m = __ballot_sync(0xffffffffu, kf >= 0);
-      if (lane == 0) warp_count[warp] = __popc(m);
-      __syncthreads();
-      int before = 0, total = 0;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        before += w < warp ? warp_count[w] : 0;
-        total += warp_count[w];
-      }
-      if (kf >= 0) list[running + before + __popc(m & ((1u << lane) - 1u))] = t * r + kf;
-      running += total;
-      __syncthreads();
-    }
+    const int running = tokens > kThreads ? ListExpert<kScanTiles>(idx, tokens, r, g, list, scan_counts)
+                                          : ListExpert<1>(idx, tokens, r, g, list, scan_counts);
     if (threadIdx.x == 0) reinterpret_cast<int32_t*>(peer + a.lay.counts + slot)[a.rank * s.local_experts + e] = running;
   }
 

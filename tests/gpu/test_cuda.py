@@ -103,6 +103,26 @@ def test_command_buffer_mode_is_exact_and_reports_errors(rng, monkeypatch):
     assert any(f"expert id {e + 5}" in m for m in messages), messages
 
 
+def test_long_rounds_match_the_oracle(rng):
+    """Prefill-sized rounds on this machine's GPUs over NVLink (EP1 on one GPU): dispatch_send's list scan takes one
+    tile of 256 tokens a pass up to 256 tokens and four tiles beyond (the last pass partial), against the oracle with
+    masked entries, repeated experts, skewed loads, fp8 and both places for the weights."""
+    n = min(2, len(jax.devices("gpu")))
+    e, r, hidden = 16, 8, 128
+    comm = {fp8: comm_of(jax_moe.MoEConfig(e, r, hidden, 2100, dispatch_dtype=jnp.float8_e4m3fn if fp8 else
+                                           jnp.bfloat16), n) for fp8 in (False, True)}
+    for t in (256, 257, int(rng.integers(1025, 2101))):
+        fp8 = bool(rng.integers(2))
+        x, scale = random_tokens(rng, n * t, hidden, fp8)
+        idx = random_routing(rng, n, t, r, e, mask=0.2, skew=bool(rng.integers(2)))
+        again = rng.random(len(idx)) < 0.3
+        idx[again, 2] = idx[again, 1]  # a repeated expert: only its first entry counts
+        w = rng.random((n * t, r)).astype(np.float32)
+        for at_dispatch in (False, True):
+            outs = roundtrip(comm[fp8], x, idx, w, scale, split_halves=at_dispatch, weights_at_dispatch=at_dispatch)
+            check_roundtrip(comm[fp8], n, x, idx, w, scale, outs)
+
+
 def test_many_calls_in_one_jit_and_dispatch_only_loops(rng):
     """Epochs: repeated dispatches without combine (acks hold the senders back) and several round trips per program."""
     n = min(2, len(jax.devices("gpu")))
