@@ -50,6 +50,10 @@ __device__ __forceinline__ int4 PackBf16(const float (&acc)[8]) {
 
 // SendSums' pieces: 2 KiB (4 vectors a lane), so that 32 float32 sums a lane keep the kernel at two blocks an SM.
 constexpr int kSumVecs = 4, kSumBytes = kSumVecs * 32 * 16;
+// Entries of a token whose rows SendSums loads at once in combine_send's own kernel: one at a time waited out a memory
+// latency per entry (a token has ~4 entries a rank at top-8 over two ranks, and decode gives each warp about one
+// token). The one-shot kernel keeps one: its receive half's registers leave no room for two without spilling.
+constexpr int kSumEntries = 2;
 
 // The reduced modes: this rank's own entries only record their rows (combine_recv reads them from expert_y); per
 // (token owner q, token t, 2 KiB piece) one warp sums the rows of q's token t held here, weighted by the weights
@@ -58,6 +62,7 @@ constexpr int kSumVecs = 4, kSumBytes = kSumVecs * 32 * 16;
 // (t is then the token's slot in the region q sent; `fab_free`: that region may be written). Rows come from the
 // route table of dispatch_recv, for the tokens each sender dispatched (the route's sent counts: the work follows
 // them, not max_tokens); rows at or past `total` (a route not from dispatch_recv) are skipped.
+template <int Entries>
 __device__ void SendSums(const KernelArgs& a, Part part, int ch, int mode, const uint8_t* y, const int32_t* route,
                          long long total, const FabricArgs& fab, unsigned long long epoch, bool fab_free) {
   const MoeShape& s = a.s;
@@ -114,20 +119,32 @@ __device__ void SendSums(const KernelArgs& a, Part part, int ch, int mode, const
     for (int u = 0; u < kSumVecs; ++u)
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
-    while (m) {
-      const int k = __ffs(m) - 1;
-      m &= m - 1;
-      const int i = __shfl_sync(0xffffffffu, row, k);
-      const float wk = __shfl_sync(0xffffffffu, wt, k);
-      if (wk == 0.f) continue;  // as combine_recv: a row with weight 0 adds nothing, even a non-finite one
-      const int4* src = reinterpret_cast<const int4*>(y + static_cast<size_t>(i) * row_bytes + off);
-      int4 v[kSumVecs];
+    while (m) {  // Entries entries at a time, their loads in flight together (m is the same in every lane)
+      int i[Entries];
+      float wk[Entries];
 #pragma unroll
-      for (int u = 0; u < kSumVecs; ++u)
-        if (lane + 32 * u < vecs) v[u] = LoadCg(src + lane + 32 * u);
+      for (int j = 0; j < Entries; ++j) {
+        const int k = j == 0 || m ? __ffs(m) - 1 : -1;  // the loop's condition: entry 0 exists
+        m &= m - 1;
+        i[j] = __shfl_sync(0xffffffffu, row, k < 0 ? 0 : k);
+        // as combine_recv: a row with weight 0 adds nothing, even a non-finite one
+        wk[j] = __shfl_sync(0xffffffffu, wt, k < 0 ? 0 : k);
+        if (k < 0) wk[j] = 0.f;
+      }
+      if (Entries == 1 && wk[0] == 0.f) continue;  // as before the pairs: no predicate per load (one-shot registers)
+      int4 v[Entries][kSumVecs];
 #pragma unroll
-      for (int u = 0; u < kSumVecs; ++u)
-        if (lane + 32 * u < vecs) FmaBf16(acc[u], wk, v[u]);
+      for (int j = 0; j < Entries; ++j) {
+        const int4* src = reinterpret_cast<const int4*>(y + static_cast<size_t>(i[j]) * row_bytes + off);
+#pragma unroll
+        for (int u = 0; u < kSumVecs; ++u)
+          if (wk[j] != 0.f && lane + 32 * u < vecs) v[j][u] = LoadCg(src + lane + 32 * u);
+      }
+#pragma unroll
+      for (int j = 0; j < Entries; ++j)
+#pragma unroll
+        for (int u = 0; u < kSumVecs; ++u)
+          if (wk[j] != 0.f && lane + 32 * u < vecs) FmaBf16(acc[u], wk[j], v[j][u]);
     }
     int4* dst = reinterpret_cast<int4*>(
         remote ? SendRegion(fab, a, epoch, q) + FabricHeaderBytes(s) + static_cast<size_t>(t) * row_bytes + off
@@ -138,6 +155,7 @@ __device__ void SendSums(const KernelArgs& a, Part part, int ch, int mode, const
   }
 }
 
+template <int SumEntries = 1>
 __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Part part) {
   const int ch = io.channel, mode = io.mode;
   const uint8_t* y = static_cast<const uint8_t*>(io.expert_y);
@@ -222,7 +240,7 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Pa
     const int bytes = s.combine_row_bytes() - off < kChunkBytes ? s.combine_row_bytes() - off : kChunkBytes;
     WarpCopy16(Peer(a, q) + a.lay.comb + slot + (ch * entries + tk) * s.combine_row_bytes() + off, y + i * s.combine_row_bytes() + off, bytes, lane);
   }
-  if (mode != kPerEntry) SendSums(a, part, ch, mode, y, route, total, fab, epoch, a.num_remote > 0 && free_ok);
+  if (mode != kPerEntry) SendSums<SumEntries>(a, part, ch, mode, y, route, total, fab, epoch, a.num_remote > 0 && free_ok);
   FinishPart(a, part, half, [&](LocalSync* ls) {
     for (int p = 0; p < n; ++p)
       if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, flag) + a.rank, epoch);
@@ -372,7 +390,7 @@ __device__ void CombineRecvBody(const KernelArgs& a, const CombineRecvIo& io, Pa
 }
 
 __global__ void __launch_bounds__(kThreads) CombineSendKernel(KernelArgs a, CombineSendIo io) {
-  CombineSendBody(a, io, BlockPart());
+  CombineSendBody<kSumEntries>(a, io, BlockPart());
 }
 
 __global__ void __launch_bounds__(kRecvThreads, kRecvBlocksPerSm) CombineRecvKernel(KernelArgs a, CombineRecvIo io) {
