@@ -132,6 +132,58 @@ def test_overlap_rounds_run_one_after_another_in_one_program():
     assert (steps >= 0).all()
 
 
+def test_window_copies_finds_a_copy_inside_a_timed_window():
+    """A stamp whose dep is its own passed-through operand makes XLA copy that buffer between the work and the stamp
+    (it cannot write in place what the same call reads): window_copies names it; stamping with an earlier stamp's
+    time as dep leaves none."""
+    import jax
+    import jax.numpy as jnp
+    from jax_moe.backends import cpu as cpu_backend
+    from jax_moe.bench.programs import make_inputs, program, window_copies
+    devices = jax.devices()
+    mesh = jax.make_mesh((len(devices),), ("ep",), devices=devices)
+    inputs = make_inputs(np.random.default_rng(), len(devices), 8, 64, 4 * len(devices), 2, False)
+
+    def body(same):
+        def f(x, xs, idx, w):
+            x, t0 = cpu_backend.timestamp(x, idx)
+            y = jnp.tanh(x.astype(jnp.float32))
+            y, t1 = cpu_backend.timestamp(y, y if same else t0)
+            return jnp.stack([t0, t1])[None]
+        return f
+
+    bad = window_copies(program(body(True), mesh, inputs)[0].as_text())
+    assert len(bad) == 1 and "copy" in bad[0], bad
+    assert window_copies(program(body(False), mesh, inputs)[0].as_text()) == []
+
+
+def test_benchmark_programs_have_no_copy_inside_a_timed_window():
+    """`bench moe`'s iterations and `bench overlap`'s three programs per operation, compiled for the "cpu" backend
+    (XLA's copy insertion is the same pass on GPU): no copy between their first and last stamp."""
+    import jax
+    import jax_moe
+    from jax_moe.backends import cpu as cpu_backend
+    from jax_moe.bench import overlap, programs
+    devices = jax.devices()
+    n = len(devices)
+    mesh = jax.make_mesh((n,), ("ep",), devices=devices)
+    comm = jax_moe.Communicator(jax_moe.MoEConfig(4 * n, 2, 128, 8), mesh, "ep", backend="cpu")
+    inputs = programs.make_inputs(np.random.default_rng(), n, 8, 128, 4 * n, 2, False)
+    stamp = cpu_backend.timestamp
+
+    def moe(x, xs, idx, w):
+        out, s0 = programs._api_iteration(comm, stamp, x, xs, idx, w, x)
+        _, s1 = programs._api_iteration(comm, stamp, x, xs, idx, w, out)
+        return jax.numpy.stack([s0, s1])[None]
+
+    bodies = {"moe": moe}
+    for op in ("dispatch", "combine"):
+        for name, body in zip(("comm", "gemm", "overlap"), overlap._programs(comm, op, stamp, 256)):
+            bodies[f"{op} {name}"] = overlap.rounds(body, 2, False, stamp)
+    for name, body in bodies.items():
+        assert programs.window_copies(programs.program(body, mesh, inputs)[0].as_text()) == [], name
+
+
 @pytest.mark.multiprocess
 def test_moe_bench_across_processes_on_cpu(tmp_path):
     """`bench moe --processes 2` on CPU: the "cpu" backend's ranks of the other process go through the proxy, XLA's

@@ -4,6 +4,8 @@ them (on GPUs by %globaltimer stamps, on CPUs by the host clock)."""
 from __future__ import annotations
 
 import math
+import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +47,10 @@ def count_remote_rows(idx, n, t, l):
 
 
 # --- device-side stamps --------------------------------------------------------------------------------------------
+# A stamp passes its first operand through in place and waits for both. Its second operand (`dep`) must not be the
+# first: XLA cannot write a buffer in place while the same call reads it, so it copies it first, between the work and
+# the stamp, that is inside the timed window (seen in the compiled programs; a few MB at decode). To wait only for
+# `a`, pass an earlier stamp's time as `dep`.
 def _stamp_tree(tree, stamp):
     """Stamps after the first leaf of `tree` (with its last leaf as dependency); returns (tree', t)."""
     leaves, tdef = jax.tree_util.tree_flatten(tree)
@@ -73,11 +79,11 @@ def _api_iteration(comm, stamp, x, xs, idx, w, dep, split=True, weights_at_dispa
     d = comm.dispatch_recv(DispatchHandle(h._x, h._x_scale, h._topk_idx, handle, h._comm_id, h._topk_weights))
     ex, t2 = stamp(d.expert_x, d.expert_counts)
     y = ex.astype(comm.cfg.combine_dtype)  # the experts' stand-in: fp8 -> bf16, not timed
-    y, t3 = stamp(y, y)
+    y, t3 = stamp(y, t2)
     c = comm.combine_send(y, d)
     chandle, t4 = _stamp_tree(c._handle, stamp)
     out = comm.combine_recv(CombineHandle(c._expert_y, c._dispatched, chandle, c._comm_id, c._reduced), wc)
-    out, t5 = stamp(out, out)
+    out, t5 = stamp(out, t4)
     return out, jnp.concatenate([t0, t1, t2, t3, t4, t5])
 
 
@@ -106,9 +112,9 @@ def _ragged_iteration(n, l, axis, stamp, x, xs, idx, w, dep):
     perm = jnp.argsort(jnp.where(valid, ids, l), stable=True)
     expert_rows = jnp.take(buf, perm, axis=0)
     ex, sc = payload.unpack_rows(expert_rows, x.dtype, x.shape[1], 0 if xs is None else xs.shape[1])
-    ex, t2 = stamp(ex, ex if sc is None else sc)
+    ex, t2 = stamp(ex, t0 if sc is None else sc)
     y = ex.astype(jnp.bfloat16)
-    y, t3 = stamp(y, y)
+    y, t3 = stamp(y, t2)
     back = jnp.zeros_like(y).at[perm].set(y)
     back_sizes = recv_sizes
     back_in = jnp.cumsum(back_sizes) - back_sizes
@@ -117,7 +123,7 @@ def _ragged_iteration(n, l, axis, stamp, x, xs, idx, w, dep):
                                     back_out, send_sizes, axis_name=axis)
     entries = jnp.zeros_like(ret).at[order].set(ret).reshape(t, r, -1).astype(jnp.float32)
     out = jnp.einsum("trh,tr->th", entries, w).astype(jnp.bfloat16)
-    out, t5 = stamp(out, out)
+    out, t5 = stamp(out, t3)
     return out, jnp.concatenate([t0, t0, t2, t3, t3, t5])
 
 
@@ -131,14 +137,44 @@ def busy(x):
 
 
 def program(body, mesh, inputs, out_specs=None, place=jax.device_put):
-    """`body(x, xs, idx, w)` per rank, jitted over `mesh`'s axis, and the inputs placed for it: (f, args)."""
+    """`body(x, xs, idx, w)` per rank, jitted over `mesh`'s axis and compiled for the inputs placed for it: (f, args),
+    f(*args) runs it. Warns where XLA put a copy inside a timed window (window_copies)."""
     axis = mesh.axis_names[0]
     x, xs, idx, w = inputs
     specs = (P(axis), None if xs is None else P(axis), P(axis), P(axis))
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(axis) if out_specs is None else out_specs,
                               check_vma=False))
     sh = NamedSharding(mesh, P(axis))
-    return f, [None if a is None else place(a, sh) for a in (x, xs, idx, w)]
+    args = [None if a is None else place(a, sh) for a in (x, xs, idx, w)]
+    compiled = f.lower(*args).compile()
+    copies = window_copies(compiled.as_text())
+    if copies:
+        print(f"[bench] warning: the compiled program copies {len(copies)} buffer(s) between its first and last stamp, "
+              f"inside a timed window: {'; '.join(copies[:4])}", file=sys.stderr, flush=True)
+    return compiled, args
+
+
+def window_copies(hlo: str) -> list[str]:
+    """The copies in a compiled program's entry computation (its schedule, in order) between two stamps
+    (jax_moe_*_timestamp) whose times the program keeps, with no other stamp between them: each runs inside a timed
+    window and adds its bytes' time to it. A stamp whose time is dropped (a tie between rounds, overlap.rounds) ends
+    the window before it; a copy beside it is outside. [] where there are none."""
+    at = hlo.find("\nENTRY")
+    if at < 0:
+        return []
+    entry = hlo[at + 1:]
+    entry = entry[: entry.find("\n}") if "\n}" in entry else len(entry)].splitlines()
+    found, pending, open_ = [], [], False
+    for line in entry:
+        stamp = re.search(r'%(\S+) = .*custom_call_target="jax_moe_\w+_timestamp"', line)
+        if stamp:
+            kept = re.search(rf"get-tuple-element\(%{re.escape(stamp.group(1))}\), index=1", "\n".join(entry))
+            if kept and open_:
+                found += pending
+            pending, open_ = [], bool(kept)
+        elif open_ and re.search(r"\s(copy|copy-start)\(", line):
+            pending.append(line.split(" copy")[0].strip())
+    return found
 
 
 def gpu_run(kind, comm_or_none, mesh, n, l, inputs, iters, unroll, warmup, split=True):
