@@ -52,7 +52,9 @@ def _parse(argv):
                                                  "small on CPU)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default 200 on GPU, 20 on CPU)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--unroll", type=int, default=10, help="rounds per program on GPU (one on CPU)")
+    p.add_argument("--unroll", type=int, default=10,
+                   help="rounds per program on GPU (one on CPU); a program's first round also holds how far apart the "
+                        "processes launched it, so keep several")
     p.add_argument("--cpu-devices", type=int, default=4, help="simulated CPU devices (CPU platform only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--micro-batches", action="store_true",
@@ -158,8 +160,9 @@ def rounds(body, unroll: int, gpu: bool, stamp: Callable) -> Callable:
 
 
 def _run(body, mesh, inputs, iters: int, warmup: int, gpu: bool, stamps: bool = False, unroll: int = 1):
-    """[iters, k] us between successive stamps, the max over ranks per round; with `stamps`, also the stamps
-    themselves, [n, iters, k + 1] ns. Rounds `unroll` at a time in one program (rounds())."""
+    """[rounds, k] us between successive stamps, the max over ranks per round; with `stamps`, also the stamps
+    themselves, [n, rounds, k + 1] ns. Rounds `unroll` at a time in one program (rounds()): at least `iters`, whole
+    programs."""
     unroll = max(1, min(unroll, iters))
     f, args = program(rounds(body, unroll, gpu, _stamper(gpu)) if unroll > 1 else body, mesh, inputs,
                       place=multihost.place)

@@ -111,7 +111,7 @@ def test_long_rounds_match_the_oracle(rng):
     e, r, hidden = 16, 8, 128
     comm = {fp8: comm_of(jax_moe.MoEConfig(e, r, hidden, 2100, dispatch_dtype=jnp.float8_e4m3fn if fp8 else
                                            jnp.bfloat16), n) for fp8 in (False, True)}
-    for t in (256, 257, int(rng.integers(1025, 2101))):
+    for t in (256, 257, int(rng.integers(258, 1024)), 1024, int(rng.integers(1025, 2101))):  # partial and whole passes
         fp8 = bool(rng.integers(2))
         x, scale = random_tokens(rng, n * t, hidden, fp8)
         idx = random_routing(rng, n, t, r, e, mask=0.2, skew=bool(rng.integers(2)))
