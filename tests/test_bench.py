@@ -158,12 +158,12 @@ def test_window_copies_finds_a_copy_inside_a_timed_window():
 
 
 def test_benchmark_programs_have_no_copy_inside_a_timed_window():
-    """`bench moe`'s iterations and `bench overlap`'s three programs per operation, compiled for the "cpu" backend
-    (XLA's copy insertion is the same pass on GPU): no copy between their first and last stamp."""
+    """`bench moe`'s iterations, `bench overlap`'s three programs per operation and its micro-batch programs, compiled
+    for the "cpu" backend (XLA's copy insertion is the same pass on GPU): no copy inside a timed window."""
     import jax
     import jax_moe
     from jax_moe.backends import cpu as cpu_backend
-    from jax_moe.bench import overlap, programs
+    from jax_moe.bench import micro_batches, overlap, programs
     devices = jax.devices()
     n = len(devices)
     mesh = jax.make_mesh((n,), ("ep",), devices=devices)
@@ -177,6 +177,8 @@ def test_benchmark_programs_have_no_copy_inside_a_timed_window():
         return jax.numpy.stack([s0, s1])[None]
 
     bodies = {"moe": moe}
+    names = ("comm", "sequential", "two micro-batches", "both open")
+    bodies.update({f"micro-batches {k}": b for k, b in zip(names, micro_batches.bodies(comm, stamp, 256))})
     for op in ("dispatch", "combine"):
         for name, body in zip(("comm", "gemm", "overlap"), overlap._programs(comm, op, stamp, 256)):
             bodies[f"{op} {name}"] = overlap.rounds(body, 2, False, stamp)
