@@ -119,9 +119,9 @@ def test_overlap_rounds_run_one_after_another_in_one_program():
     unroll, iters = int(rng.integers(2, 5)), int(rng.integers(3, 9))
 
     def body(x, xs, idx, w):
-        x, t0 = cpu_backend.timestamp(x, x)
+        x, t0 = cpu_backend.timestamp(x, idx)
         y = jnp.tanh(x.astype(jnp.float32) @ x.astype(jnp.float32).T)  # some work between the stamps
-        y, t1 = cpu_backend.timestamp(y, y)
+        y, t1 = cpu_backend.timestamp(y, t0)  # not (y, y): see programs.py on stamps
         return jnp.stack([t0, t1])[None]
 
     steps, ns = _run(body, mesh, inputs, iters, 1, False, stamps=True, unroll=unroll)

@@ -163,12 +163,12 @@ def window_copies(hlo: str) -> list[str]:
     if at < 0:
         return []
     entry = hlo[at + 1:]
-    entry = entry[: entry.find("\n}") if "\n}" in entry else len(entry)].splitlines()
+    entry = entry[: entry.find("\n}") if "\n}" in entry else len(entry)]
     found, pending, open_ = [], [], False
-    for line in entry:
+    for line in entry.splitlines():
         stamp = re.search(r'%(\S+) = .*custom_call_target="jax_moe_\w+_timestamp"', line)
         if stamp:
-            kept = re.search(rf"get-tuple-element\(%{re.escape(stamp.group(1))}\), index=1", "\n".join(entry))
+            kept = re.search(rf"get-tuple-element\(%{re.escape(stamp.group(1))}\), index=1", entry)
             if kept and open_:
                 found += pending
             pending, open_ = [], bool(kept)
