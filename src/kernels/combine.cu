@@ -124,14 +124,16 @@ __device__ void SendSums(const KernelArgs& a, Part part, int ch, int mode, const
       float wk[Entries];
 #pragma unroll
       for (int j = 0; j < Entries; ++j) {
-        const int k = j == 0 || m ? __ffs(m) - 1 : -1;  // the loop's condition: entry 0 exists
+        const int k = __ffs(m) - 1;  // -1 once m is empty (entry 0 always exists: the loop's condition)
         m &= m - 1;
         i[j] = __shfl_sync(0xffffffffu, row, k < 0 ? 0 : k);
         // as combine_recv: a row with weight 0 adds nothing, even a non-finite one
         wk[j] = __shfl_sync(0xffffffffu, wt, k < 0 ? 0 : k);
         if (k < 0) wk[j] = 0.f;
       }
-      if (Entries == 1 && wk[0] == 0.f) continue;  // as before the pairs: no predicate per load (one-shot registers)
+      // A zero weight skips its loads below already; skipping the whole step at one entry a time keeps the one-shot
+      // kernel at 0 spills (-Xptxas -v), which the per-load test alone does not.
+      if (Entries == 1 && wk[0] == 0.f) continue;
       int4 v[Entries][kSumVecs];
 #pragma unroll
       for (int j = 0; j < Entries; ++j) {
