@@ -59,7 +59,10 @@ def _stamp_tree(tree, stamp):
 
 
 def _api_iteration(comm, stamp, x, xs, idx, w, dep, split=True, weights_at_dispatch=True):
-    """One dispatch + combine through the jax_moe API with 6 stamps: [start, send, recv, (expert), send, recv].
+    """One dispatch + combine through the jax_moe API with 6 stamps: [start, send, recv, (expert), send, recv]:
+    (output, stamps, x as the start stamp passed it on). Give the next iteration that x, not the program's own: the
+    start stamp passes x on in place, and XLA copies a buffer that a later call still reads before it lets a call
+    write it in place (a copy of x per iteration, which the compiled GPU programs placed inside the timed windows).
 
     weights_at_dispatch: the router weights go with dispatch (the expert ranks may sum a token's rows), else to
     combine (rows per (t, k)).
@@ -73,7 +76,7 @@ def _api_iteration(comm, stamp, x, xs, idx, w, dep, split=True, weights_at_dispa
         ex, t2 = stamp(d.expert_x, d.expert_counts)
         y, t3 = stamp(ex.astype(comm.cfg.combine_dtype), ex)  # the experts' stand-in: fp8 -> bf16, not timed
         out, t5 = stamp(comm.combine(y, wc, d), y)
-        return out, jnp.concatenate([t0, t0, t2, t3, t3, t5])
+        return out, jnp.concatenate([t0, t0, t2, t3, t3, t5]), x
     h = comm.dispatch_send(x, idx, x_scale=xs, topk_weights=wd)
     handle, t1 = _stamp_tree(h._handle, stamp)
     d = comm.dispatch_recv(DispatchHandle(h._x, h._x_scale, h._topk_idx, handle, h._comm_id, h._topk_weights))
@@ -84,11 +87,12 @@ def _api_iteration(comm, stamp, x, xs, idx, w, dep, split=True, weights_at_dispa
     chandle, t4 = _stamp_tree(c._handle, stamp)
     out = comm.combine_recv(CombineHandle(c._expert_y, c._dispatched, chandle, c._comm_id, c._reduced), wc)
     out, t5 = stamp(out, t4)
-    return out, jnp.concatenate([t0, t1, t2, t3, t4, t5])
+    return out, jnp.concatenate([t0, t1, t2, t3, t4, t5]), x
 
 
 def _ragged_iteration(n, l, axis, stamp, x, xs, idx, w, dep):
-    """MaxText's EP path (src/maxtext/layers/moe.py): sort by expert, ragged_all_to_all, local permute, and back."""
+    """MaxText's EP path (src/maxtext/layers/moe.py): sort by expert, ragged_all_to_all, local permute, and back.
+    Returns as _api_iteration."""
     t, r = idx.shape
     e = n * l
     me = jax.lax.axis_index(axis)
@@ -124,7 +128,7 @@ def _ragged_iteration(n, l, axis, stamp, x, xs, idx, w, dep):
     entries = jnp.zeros_like(ret).at[order].set(ret).reshape(t, r, -1).astype(jnp.float32)
     out = jnp.einsum("trh,tr->th", entries, w).astype(jnp.bfloat16)
     out, t5 = stamp(out, t3)
-    return out, jnp.concatenate([t0, t0, t2, t3, t3, t5])
+    return out, jnp.concatenate([t0, t0, t2, t3, t3, t5]), x
 
 
 def busy(x):
@@ -158,20 +162,23 @@ def window_copies(hlo: str) -> list[str]:
     """The copies in a compiled program's entry computation (its schedule, in order) between two stamps
     (jax_moe_*_timestamp) whose times the program keeps, with no other stamp between them: each runs inside a timed
     window and adds its bytes' time to it. A stamp whose time is dropped (a tie between rounds, overlap.rounds) ends
-    the window before it; a copy beside it is outside. [] where there are none."""
+    the window before it; a copy beside it is outside. Each as "<copy> (window k)": after the k-th kept stamp, from 1
+    (bench moe's iterations keep 6: window 6j + 1 is iteration j's dispatch_send, ..., 6j + 6 the gap to the next).
+    [] where there are none."""
     at = hlo.find("\nENTRY")
     if at < 0:
         return []
     entry = hlo[at + 1:]
     entry = entry[: entry.find("\n}") if "\n}" in entry else len(entry)]
-    found, pending, open_ = [], [], False
+    found, pending, open_, kept_count = [], [], False, 0
     for line in entry.splitlines():
         stamp = re.search(r'%(\S+) = .*custom_call_target="jax_moe_\w+_timestamp"', line)
         if stamp:
             kept = re.search(rf"get-tuple-element\(%{re.escape(stamp.group(1))}\), index=1", entry)
             if kept and open_:
-                found += pending
+                found += [f"{c} (window {kept_count})" for c in pending]
             pending, open_ = [], bool(kept)
+            kept_count += bool(kept)
         elif open_ and re.search(r"\s(copy|copy-start)\(", line):
             pending.append(line.split(" copy")[0].strip())
     return found
@@ -183,13 +190,13 @@ def gpu_run(kind, comm_or_none, mesh, n, l, inputs, iters, unroll, warmup, split
 
     def body(x, xs, idx, w):
         out, stamps = busy(x), []
-        for _ in range(unroll):
+        for _ in range(unroll):  # x passes from iteration to iteration (see _api_iteration)
             dep = out
             if kind == "xla-ragged":
-                out, s = _ragged_iteration(n, l, axis, timestamp, x, xs, idx, w, dep)
+                out, s, x = _ragged_iteration(n, l, axis, timestamp, x, xs, idx, w, dep)
             else:
-                out, s = _api_iteration(comm_or_none, timestamp, x, xs, idx, w, dep, split,
-                                        weights_at_dispatch=not kind.endswith("-entry"))
+                out, s, x = _api_iteration(comm_or_none, timestamp, x, xs, idx, w, dep, split,
+                                           weights_at_dispatch=not kind.endswith("-entry"))
             stamps.append(s)
         return jnp.stack(stamps)[None]
 
@@ -228,7 +235,7 @@ def cpu_run(comm, mesh, inputs, iters, warmup, weights_at_dispatch=True):
             words.append(t)
             return a, jnp.zeros((1,), jnp.float32)
 
-        out, _ = _api_iteration(comm, stamp32, x, xs, idx, w, x, weights_at_dispatch=weights_at_dispatch)
+        out, _, _ = _api_iteration(comm, stamp32, x, xs, idx, w, x, weights_at_dispatch=weights_at_dispatch)
         return out, jnp.stack(words)[None]
 
     f, args = program(body, mesh, inputs, out_specs=(P(axis), P(axis)), place=multihost.place)
