@@ -366,7 +366,7 @@ void DeviceFabric::Connect(const std::vector<RemoteEndpoint>& peers, std::functi
 // (its byte words, written before it rang), from the HBM mirror into the registered host area.
 bool DeviceFabric::StageSend(size_t link, uint64_t round) {
   const Stream& st = streams_[link];
-  return stage_->Ready(SendSlot(link), round, /*to_device=*/false, [&] {
+  return stage_->Ready(int(2 * link), round, /*to_device=*/false, [&] {
     const proxy::Lanes lanes{shape_.num_ranks, kFabricLanes, st.region};
     const uint64_t* bytes =
         reinterpret_cast<const uint64_t*>(st.words->host()) + proxy::kBellWords + lanes.Lane(round) * shape_.num_ranks;
@@ -384,7 +384,7 @@ bool DeviceFabric::StageSend(size_t link, uint64_t round) {
 // holds, from the registered host area into the HBM mirror the receive kernel reads.
 bool DeviceFabric::StageArrival(size_t link, uint64_t round) {
   const Stream& st = streams_[link];
-  return stage_->Ready(ArrivalSlot(link), round, /*to_device=*/true, [&] {
+  return stage_->Ready(int(2 * link + 1), round, /*to_device=*/true, [&] {
     const proxy::Lanes lanes{shape_.num_ranks, kFabricLanes, st.region};
     std::vector<StageCopies::Copy> copies;
     for (int q = 0; q < shape_.num_ranks; ++q) {
@@ -456,7 +456,6 @@ void DeviceFabric::Fill(KernelArgs& a) const {
     f.bytes = f.bell + proxy::kBellWords;
     f.region = st.region;
     f.comm_id = st.comm_id;
-    f.landed = stage_ ? stage_->Mark(ArrivalSlot(size_t(i))) : nullptr;
   }
 }
 

@@ -118,8 +118,6 @@ class DeviceFabric {
   // The pump's hooks (Connect): the copy engine's work for a round of stream `link` before it is posted / flagged.
   bool StageSend(size_t link, uint64_t round);
   bool StageArrival(size_t link, uint64_t round);
-  static int SendSlot(size_t link) { return int(2 * link); }  // stage_'s slots: per stream, sends then arrivals
-  static int ArrivalSlot(size_t link) { return int(2 * link + 1); }
   uint64_t ArrivedBytes(size_t link, const uint8_t* region) const;  // what a received region's header says it holds
   struct Stream {
     std::unique_ptr<PinnedBuffer> words;  // bell (kBellWords), then bytes [kFabricLanes][N]

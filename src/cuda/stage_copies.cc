@@ -30,12 +30,11 @@ StageCopies::StageCopies(int ordinal, int slots) : ordinal_(ordinal) {
     for (cudaStream_t& s : streams_) Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
     events_.assign(size_t(slots), nullptr);
     for (cudaEvent_t& e : events_) Check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
-    const size_t bytes = sizeof(unsigned long long) * size_t(slots);
-    Check(cudaMalloc(reinterpret_cast<void**>(&marks_), bytes), "cudaMalloc(stage marks)");
-    Check(cudaMemset(marks_, 0, bytes), "cudaMemset(stage marks)");
-    Check(cudaMallocHost(reinterpret_cast<void**>(&sources_), bytes), "cudaMallocHost(stage marks)");
   } catch (...) {
-    Release();
+    for (cudaEvent_t e : events_)
+      if (e) cudaEventDestroy(e);
+    for (cudaStream_t s : streams_)
+      if (s) cudaStreamDestroy(s);
     throw;
   }
   rounds_.assign(size_t(slots), 0);
@@ -45,19 +44,10 @@ StageCopies::~StageCopies() {
   int previous = 0;
   cudaGetDevice(&previous);
   cudaSetDevice(ordinal_);
-  for (cudaStream_t s : streams_)
-    if (s) cudaStreamSynchronize(s);  // nothing of ours may read freed areas
-  Release();
+  for (cudaStream_t s : streams_) cudaStreamSynchronize(s);  // nothing of ours may read freed areas
+  for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  for (cudaStream_t s : streams_) cudaStreamDestroy(s);
   cudaSetDevice(previous);
-}
-
-void StageCopies::Release() {
-  for (cudaEvent_t e : events_)
-    if (e) cudaEventDestroy(e);
-  for (cudaStream_t s : streams_)
-    if (s) cudaStreamDestroy(s);
-  if (marks_) cudaFree(marks_);
-  if (sources_) cudaFreeHost(sources_);
 }
 
 void StageCopies::MakeCurrent() const {
@@ -80,11 +70,6 @@ bool StageCopies::Ready(int slot, uint64_t round, bool to_device, const std::fun
       Check(cudaMemcpyAsync(c.dst, c.src, c.bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
                             stream),
             "cudaMemcpyAsync(fabric stage)");
-    }
-    if (to_device) {  // the slot's previous mark copy is done (its round was ready), so its source may change
-      sources_[slot] = round;
-      Check(cudaMemcpyAsync(marks_ + slot, sources_ + slot, sizeof(unsigned long long), cudaMemcpyHostToDevice, stream),
-            "cudaMemcpyAsync(stage mark)");
     }
     Check(cudaEventRecord(event, stream), "cudaEventRecord(fabric stage)");
     rounds_[size_t(slot)] = round;

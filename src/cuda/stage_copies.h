@@ -36,23 +36,14 @@ class StageCopies {
   // Whether `slot`'s copies for `round` are done. The first call for a round enqueues what `copies()` lists (in the
   // direction `to_device` says) and records the slot's event; later calls only query it. A slot's previous round must
   // be done before its next one starts (the pump asks in round order, each until it is done). Throws on a CUDA error.
-  // To the device, the copies are followed on their stream by a copy of `round` into the slot's mark (Mark).
   bool Ready(int slot, uint64_t round, bool to_device, const std::function<std::vector<Copy>()>& copies);
-
-  // The slot's mark, in device memory: the last round whose copies to the device are in HBM (0: none yet). A kernel
-  // that waits on it reads HBM, where the host's flag for the same round (raised once Ready says so, later) is a read
-  // across PCIe: the copy engine writes the mark after the round's rows, in stream order.
-  const unsigned long long* Mark(int slot) const { return marks_ + slot; }
 
  private:
   void MakeCurrent() const;  // the calling (proxy) thread's current device
-  void Release();            // what the constructor made (each part that exists)
   int ordinal_;
   cudaStream_t streams_[2] = {nullptr, nullptr};  // [to_device]
   std::vector<cudaEvent_t> events_;
   std::vector<uint64_t> rounds_;  // the round whose copies each slot's event follows (0: none yet)
-  unsigned long long* marks_ = nullptr;    // device [slots]: see Mark
-  unsigned long long* sources_ = nullptr;  // pinned host [slots]: each mark's copy source (stable until Ready)
 };
 
 }  // namespace jax_moe::cuda

@@ -35,8 +35,8 @@ static_assert(kScanTiles * 16 <= 64 && kThreads < (1 << 16), "a tile's count fit
 
 // Writes, in token order, t * r + k for each token t whose first entry naming g is k into list; returns how many. Every
 // thread of the block calls it (barriers); `counts`: shared scratch of one word per warp. A pass takes Tiles tiles of
-// kThreads tokens, a token a thread: the Tiles rows' loads are in flight together (entry k of every row in one step,
-// no branch between them: a row past the tokens reads token 0's), and one barrier pair counts all tiles, a 16-bit lane of each warp's word per tile. One
+// kThreads tokens, a token a thread: the Tiles rows' loads are in flight together (no branch between them: a row past
+// the tokens reads token 0's), and one barrier pair counts all tiles, a 16-bit lane of each warp's word per tile. One
 // tile a pass waited out a load latency and two barriers 16 times per expert at prefill (4096 tokens); at decode one
 // tile covers every token.
 template <int Tiles>
@@ -46,25 +46,17 @@ __device__ int ListExpert(const int32_t* idx, int tokens, int r, int g, int32_t*
   int running = 0;
   for (int base = 0; base < tokens; base += kThreads * Tiles) {
     int kf[Tiles];  // the first entry of this thread's token of tile j naming g (later repeats masked), or -1
-    const int32_t* row[Tiles];
-#pragma unroll
-    for (int j = 0; j < Tiles; ++j) {
-      const int t = base + j * kThreads + static_cast<int>(threadIdx.x);
-      row[j] = idx + static_cast<size_t>(t < tokens ? t : 0) * r;
-      kf[j] = -1;
-    }
-    // Entry k of every tile's row in one step, so that the tiles' loads are in flight together (a loop over k per
-    // tile compiled to one loop after another, each waiting out its loads).
-#pragma unroll 8
-    for (int k = r - 1; k >= 0; --k)
-#pragma unroll
-      for (int j = 0; j < Tiles; ++j)
-        if (row[j][k] == g) kf[j] = k;
     unsigned m[Tiles];
     unsigned long long mine = 0;  // this warp's count per tile, a 16-bit lane each
 #pragma unroll
     for (int j = 0; j < Tiles; ++j) {
-      if (base + j * kThreads + static_cast<int>(threadIdx.x) >= tokens) kf[j] = -1;
+      const int t = base + j * kThreads + static_cast<int>(threadIdx.x);
+      const int32_t* row = idx + static_cast<size_t>(t < tokens ? t : 0) * r;
+      int f = -1;
+#pragma unroll 8
+      for (int k = r - 1; k >= 0; --k)
+        if (row[k] == g) f = k;
+      kf[j] = t < tokens ? f : -1;
       m[j] = __ballot_sync(0xffffffffu, kf[j] >= 0);
       mine |= static_cast<unsigned long long>(__popc(m[j])) << (16 * j);
     }

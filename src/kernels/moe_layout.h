@@ -224,9 +224,6 @@ struct FabricArgs {
   unsigned long long* bytes = nullptr;   // [kFabricLanes][N]: bytes of our region for rank p
   unsigned long long region = 0;         // bytes of one region
   unsigned int comm_id = 0;              // the regions' header comm_id (the stream's immediate id)
-  // Staged only (else null): device memory the copy engine writes a round's number into after that round's rows
-  // (cuda/stage_copies.h), so a receive kernel that starts after they landed reads HBM, not the bell across PCIe.
-  const unsigned long long* landed = nullptr;
 };
 
 // Ranks of one Communicator at most: one thread of a block waits on each peer's flag.

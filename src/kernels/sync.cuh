@@ -92,13 +92,10 @@ __device__ __forceinline__ void MaxReleaseSys(unsigned long long* p, unsigned lo
 // memory flooded the link that the receive kernels read their rows through, when the rows are in host memory.
 // Part 0 polls: only a half's own kernel waits on the fabric (never the one-shot kernel), and there part 0 is block 0
 // (dispatch_send's pack blocks come first in its launch, and are given their block index as their part).
-// Staged arrivals also have f.landed, in HBM, written by the copy engine after the rows (and before the proxy raises
-// kArrived): every block checks it first, so a receive that starts after its rows landed reads no host memory.
 __device__ __forceinline__ bool WaitFabric(const KernelArgs& a, const FabricArgs& f, int word, unsigned long long want,
                                            int which, int stream, Part part) {
   unsigned long long* seen = &Local(a)->fab_seen[stream][word == proxy::kSent ? 0 : 1];
-  const unsigned long long* landed = word == proxy::kArrived ? f.landed : nullptr;
-  if (LoadAcquireSys(seen) >= want || (landed != nullptr && LoadAcquireSys(landed) >= want)) return true;
+  if (LoadAcquireSys(seen) >= want) return true;
   volatile int* timed_out = &Local(a)->timed_out;
   if (*timed_out) return false;
   const unsigned long long start = GlobalTimer();
@@ -106,7 +103,6 @@ __device__ __forceinline__ bool WaitFabric(const KernelArgs& a, const FabricArgs
     const unsigned long long* host = f.bell + word;
     unsigned long long v;
     while ((v = LoadAcquireSys(host)) < want) {
-      if (landed != nullptr && LoadAcquireSys(landed) >= want) return true;
       if (LoadAcquireSys(f.bell + proxy::kError) != 0) {
         RaiseError(a, kProxyFailed, stream);
         *timed_out = 1;
@@ -122,7 +118,7 @@ __device__ __forceinline__ bool WaitFabric(const KernelArgs& a, const FabricArgs
     MaxReleaseSys(seen, v);
     return true;
   }
-  while (LoadAcquireSys(seen) < want && (landed == nullptr || LoadAcquireSys(landed) < want)) {
+  while (LoadAcquireSys(seen) < want) {
     if (*timed_out) return false;  // block 0 gave up and raised the error
     if (static_cast<long long>(GlobalTimer() - start) > a.timeout_ns) {
       RaiseError(a, kTimeout, which);
