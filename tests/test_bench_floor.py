@@ -110,7 +110,7 @@ def test_table_shows_each_floor_its_ratio_and_target_or_why_not():
     cells = rows["dispatch_send"].split()
     assert cells[6:8] == ["10.0", "10.0"] and cells[10] == "100.00" and cells[11] == "NO"  # 1000 > 1.5 * 10 + 10
     assert "(<= 25.0)" in rows["dispatch_send"]
-    assert "both ways" in lines[0] and lines[1].split()[-4:] == ["both", "ways", "x", "both"]
+    assert "both ways" in lines[0] and lines[1].split()[-6:] == ["both", "ways", "x", "both", "x", "+copies"]
     # both ways: beside the floor of an operation that waits for bytes, not in it; "-" where not measured or a send
     both = floor.rec_floors(rec, ep1, {500: 40.0, 1000: 70.0}, {500: 55.0})
     assert both["dispatch"]["wire_both_ways_us"] == 55.0 and both["dispatch"]["floor_us"] == 50.0
@@ -119,7 +119,29 @@ def test_table_shows_each_floor_its_ratio_and_target_or_why_not():
     rec["floor"] = both
     rows = {line.split()[3]: line for line in floor.table([rec], meta)[2:]}
     want = f'{_rec()["stats"]["dispatch"]["p50"] / 65.0:.2f}'
-    assert rows["dispatch"].split()[-2:] == ["55.0", want] and rows["combine"].split()[-2:] == ["-", "-"]
+    assert rows["dispatch"].split()[-3:] == ["55.0", want, "-"] and rows["combine"].split()[-3:] == ["-", "-", "-"]
+
+
+def test_a_staged_run_shows_its_floor_with_the_two_copies_beside_it():
+    """fabric_memory="staged" adds two copies per round (out of HBM, into it) that the floor's wire does not have:
+    beside the floor, not in it, x +copies = p50 / (floor + 2 * bytes at the copy rate); none for a send half."""
+    rec = _rec()
+    ep1 = {("decode", 128, "cuda"): {op: 10.0 for op in floor.OPS}}
+    got = floor.rec_floors(rec, ep1, {500: 40.0, 1000: 70.0}, {}, copy_gbps=50.0)
+    nbytes = got["dispatch"]["wire_bytes"]
+    assert got["dispatch"]["staging_us"] == pytest.approx(2 * nbytes / 50e3)  # bytes / (GB/s) in us
+    assert got["dispatch"]["floor_us"] == 10.0 + got["dispatch"]["wire_one_way_us"]  # the floor itself is unchanged
+    p50 = rec["stats"]["dispatch"]["p50"]
+    assert got["dispatch"]["ratio_with_copies"] == pytest.approx(p50 / (got["dispatch"]["floor_us"] + 2 * nbytes / 50e3))
+    assert "staging_us" not in got["dispatch_send"] and "staging_us" not in got["combine_send"]
+    assert "staging_us" not in floor.rec_floors(rec, ep1, {500: 40.0, 1000: 70.0})["dispatch"]  # not staged
+    rec["floor"] = got
+    meta = {"provider": "shm", "fabric": {"memory": "host"}, "staging_copy_GBps": 50.0}
+    lines = floor.table([rec], meta)
+    assert "x +copies" in lines[0] and "50.0 GB/s" in lines[0]
+    rows = {line.split()[3]: line for line in lines[2:]}
+    assert rows["dispatch"].split()[-1] == f"{got['dispatch']['ratio_with_copies']:.2f}"
+    assert rows["dispatch_send"].split()[-1] == "-"
 
 
 def test_ep1_command_and_environment():

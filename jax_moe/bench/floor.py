@@ -13,6 +13,12 @@ that cannot be measured reads "n/a (why)"; it never costs the run its own result
 Beside it, not in it: "both ways", the engine's one-way for the same bytes with both directions loaded at once
 (`bench fabric --exchange`), as the ranks of an all-to-all load them; the floor's one-way loads one direction.
 "x both" is p50 / (EP1 + both ways): how far an operation is from the wire it actually shares.
+
+Also beside it where the run's areas are staged (fabric_memory="staged": pinned host memory on the wire, HBM for the
+kernels): "x +copies" is p50 / (FLOOR + the two copies staging adds, the sender's out of HBM and the receiver's into
+it, each the bytes at the host-to-device copy rate the run measured (its peer bandwidth; the way out taken as the
+same)). The floor above has no such copies: it is the wire alone, so a staged operation's miss of the target shows
+there how much of it is those copies.
 """
 from __future__ import annotations
 
@@ -65,11 +71,17 @@ def target_us(floor: float) -> float:
     return TARGET_FACTOR * floor + TARGET_SLACK_US
 
 
+def staging_us(nbytes: int, copy_gbps: float) -> float:
+    """The two copies a staged round adds for `nbytes`: out of HBM at the sender, into it at the receiver."""
+    return 2 * nbytes / (copy_gbps * 1e3)
+
+
 def op_floor(p50: Optional[float], ep1: Union[float, str], wire: Union[tuple[int, float], str, None],
-             both_ways_us: Optional[float] = None) -> dict:
+             both_ways_us: Optional[float] = None, copy_gbps: Optional[float] = None) -> dict:
     """One operation's entry: `ep1` is the EP1 p50 or why it is missing; `wire` is (bytes, one-way p50 us), why it is
     missing, or None for a send half (no bytes waited for); `both_ways_us` the same bytes' one-way with both directions
-    loaded (reported beside the floor, not in it), where measured."""
+    loaded (reported beside the floor, not in it), where measured; `copy_gbps` the host-to-device copy rate of a
+    staged run (the floor plus its copies, beside the floor)."""
     for why in (ep1, wire):
         if isinstance(why, str):
             return {"n/a": why}
@@ -81,6 +93,10 @@ def op_floor(p50: Optional[float], ep1: Union[float, str], wire: Union[tuple[int
         out["wire_both_ways_us"] = both_ways_us
         if p50 is not None and float(ep1) + both_ways_us > 0:
             out["ratio_both_ways"] = p50 / (float(ep1) + both_ways_us)
+    if copy_gbps and wire is not None:
+        out["staging_us"] = staging_us(nbytes, copy_gbps)
+        if p50 is not None:
+            out["ratio_with_copies"] = p50 / (floor + out["staging_us"])
     if p50 is not None:
         out["ratio"] = p50 / floor if floor > 0 else None
         out["meets_target"] = p50 <= target_us(floor)
@@ -93,8 +109,10 @@ def wire_bytes(rec: dict) -> dict[str, int]:
             "combine": round(rec.get("remote_combine_bytes_sent", rec["remote_combine_bytes"]))}
 
 
-def rec_floors(rec: dict, ep1: Ep1, wire: Wire, both: Wire = "not measured") -> dict[str, dict]:
-    """Every operation of a moe record beside its floor (and `both`, the one-way with both directions loaded)."""
+def rec_floors(rec: dict, ep1: Ep1, wire: Wire, both: Wire = "not measured",
+               copy_gbps: Optional[float] = None) -> dict[str, dict]:
+    """Every operation of a moe record beside its floor (and `both`, the one-way with both directions loaded; with
+    `copy_gbps`, a staged run's copies)."""
     key = (rec["shape"], int(rec["tokens"]), rec["backend"])
     mine = ep1 if isinstance(ep1, str) else ep1.get(key, f"the EP1 run has no {key[0]} T={key[1]} {key[2]}")
     nbytes = wire_bytes(rec)
@@ -109,7 +127,7 @@ def rec_floors(rec: dict, ep1: Ep1, wire: Wire, both: Wire = "not measured") -> 
             b = nbytes[WIRE[op]]
             w = wire if isinstance(wire, str) else ((b, wire[b]) if b in wire else f"bench fabric has no {b} B round")
             b2 = None if isinstance(both, str) else both.get(b)
-        out[op] = op_floor(rec["stats"][op]["p50"], e, w, b2)
+        out[op] = op_floor(rec["stats"][op]["p50"], e, w, b2, copy_gbps)
     return out
 
 
@@ -280,8 +298,12 @@ def attach(doc: dict, args: argparse.Namespace, work: str) -> Optional[dict]:
     except Unavailable as e:
         both = f"bench fabric --exchange: {e}"
         meta["exchange"] = {"command": cmd, "error": both}
+    copy_gbps = None
+    if info.get("staged"):  # the run's own measure of the copy engine's rate (moe's peer bandwidth)
+        copy_gbps = (doc["meta"].get("peer_bandwidth") or {}).get("h2d_copy_GBps")
+        meta["staging_copy_GBps"] = copy_gbps
     for rec in recs:
-        rec["floor"] = rec_floors(rec, ep1, wire, both)
+        rec["floor"] = rec_floors(rec, ep1, wire, both, copy_gbps)
     doc["meta"]["floor"] = meta
     return meta
 
@@ -298,9 +320,12 @@ def table(results: list[dict], meta: dict) -> list[str]:
              f"{fab.get('memory')} memory, registered as {fab.get('registration', 'n/a')}) for the bytes sent to the "
              f"remote rank (send halves: EP1 only, their bytes travel during the receive half); us; target {TARGET}; "
              f"both ways: the same bytes' one-way with both directions loaded at once (bench fabric --exchange), "
-             f"not in FLOOR; x both: p50 / (EP1 + both ways)",
+             f"not in FLOOR; x both: p50 / (EP1 + both ways)"
+             + (f"; x +copies: p50 / (FLOOR + the two staging copies at {meta['staging_copy_GBps']:.1f} GB/s)"
+                if meta.get("staging_copy_GBps") else ""),
              f"{'shape':8s} {'T':>5s} {'backend':10s} {'op':13s} {'p50':>9s} {'p99':>9s} {'FLOOR':>9s} {'EP1':>9s} "
-             f"{'one-way':>9s} {'bytes':>9s} {'x floor':>8s}  {'target':17s} {'both ways':>9s} {'x both':>7s}"]
+             f"{'one-way':>9s} {'bytes':>9s} {'x floor':>8s}  {'target':17s} {'both ways':>9s} {'x both':>7s} "
+             f"{'x +copies':>9s}"]
     for rec in results:
         for op, f in rec.get("floor", {}).items():
             st = rec["stats"][op]
@@ -310,13 +335,14 @@ def table(results: list[dict], meta: dict) -> list[str]:
                 lines.append(f"{row} {'n/a':>9s} ({f['n/a']})")
                 continue
             wire = f["wire_one_way_us"] if WIRE[op] else None
-            ratio, ratio_both = f.get("ratio"), f.get("ratio_both_ways")
+            ratio, ratio_both, ratio_copies = f.get("ratio"), f.get("ratio_both_ways"), f.get("ratio_with_copies")
             met = f.get("meets_target")
             verdict = "-" if met is None else f"{'yes' if met else 'NO'} (<= {f['target_us']:.1f})"
             lines.append(f"{row} {_num(f['floor_us'])} {_num(f['ep1_p50_us'])} {_num(wire)} "
                          f"{f['wire_bytes'] if WIRE[op] else '-':>9} {'-' if ratio is None else f'{ratio:8.2f}':>8}"
                          f"  {verdict:17s} {_num(f.get('wire_both_ways_us'))} "
-                         f"{'-' if ratio_both is None else f'{ratio_both:7.2f}':>7}")
+                         f"{'-' if ratio_both is None else f'{ratio_both:7.2f}':>7} "
+                         f"{'-' if ratio_copies is None else f'{ratio_copies:9.2f}':>9}")
     return lines
 
 
