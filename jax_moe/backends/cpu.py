@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax_moe.backends import bootstrap
 from jax_moe.backends.native import NativeBackend
 
-COMM_ID_BITS = 15  # the immediate carries the Communicator id in 15 bits (src/proxy/imm.h)
+COMM_ID_BITS = 12  # the immediate carries the Communicator id in 12 bits (src/proxy/imm.h)
 
 
 def timestamp(a: jax.Array, dep: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -39,7 +39,7 @@ class CpuBackend(NativeBackend):
 
     def _create(self) -> None:
         rows = [(e.device_id, e.process, e.group, e.rank) for e in self.table.entries]
-        self._mod.release(self.native_id)  # an id reused after 2**15 Communicators
+        self._mod.release(self.native_id)  # an id reused after 2**12 Communicators
         self._mod.create(self.native_id, self.options.shape(), rows, jax.process_index(), self.options.timeout_s,
                          self.options.fabric_provider)
 
