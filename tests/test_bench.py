@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -11,6 +12,26 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cpu_comm():
+    """The "cpu" backend over every device, a small config, and inputs for it: (mesh, comm, inputs, the CPU stamp)."""
+    import jax
+    import jax_moe
+    from jax_moe.backends import cpu as cpu_backend
+    from jax_moe.bench import programs
+    devices = jax.devices()
+    n = len(devices)
+    mesh = jax.make_mesh((n,), ("ep",), devices=devices)
+    comm = jax_moe.Communicator(jax_moe.MoEConfig(4 * n, 2, 128, 8), mesh, "ep", backend="cpu")
+    inputs = programs.make_inputs(np.random.default_rng(), n, 8, 128, 4 * n, 2, False)
+    return mesh, comm, inputs, cpu_backend.timestamp
+
+
+def _copies_of_x(hlo: str) -> int:
+    """The copies of a bf16 [8, 128] buffer (x of _cpu_comm's inputs, per rank) in a compiled program's entry."""
+    entry = hlo[hlo.find("\nENTRY"):]
+    return len(re.findall(r"= bf16\[8,128\]\S* copy\(", entry))
 
 
 def test_moe_bench_cpu_and_xla(tmp_path):
@@ -102,6 +123,14 @@ def test_sends_apart_is_the_spread_of_the_ranks_first_stamps():
     assert sends_apart_us(np.repeat(ns[:1], n, axis=0)) == 0.0
 
 
+def test_overlap_prints_a_missing_fraction_as_a_dash():
+    """`bench overlap`'s percent cells (hidden, hidden as run, gemm slowed): "-" where a fraction is None (no
+    communication or GEMM time), the cell's width either way."""
+    from jax_moe.bench.overlap import _percent
+    assert _percent(None, 8) == "       -" and _percent(0.834, 8) == "     83%"
+    assert _percent(-0.07, 12) == " " * 9 + "-7%"
+
+
 def test_overlap_rounds_run_one_after_another_in_one_program():
     """`bench overlap --unroll`: a program runs `unroll` rounds, each starting after the one before has ended (its
     first stamp after the previous round's last), every round's stamps come back in order, and the iteration count
@@ -122,11 +151,12 @@ def test_overlap_rounds_run_one_after_another_in_one_program():
         x, t0 = cpu_backend.timestamp(x, idx)
         y = jnp.tanh(x.astype(jnp.float32) @ x.astype(jnp.float32).T)  # some work between the stamps
         y, t1 = cpu_backend.timestamp(y, t0)  # not (y, y): see programs.py on stamps
-        return jnp.stack([t0, t1])[None]
+        return jnp.stack([t0, t1])[None], x
 
     steps, ns = _run(body, mesh, inputs, iters, 1, False, stamps=True, unroll=unroll)
     programs = -(-iters // min(unroll, iters))
-    assert ns.shape == (n, programs * min(unroll, iters), 2) and steps.shape == (ns.shape[1], 1), (ns.shape, steps.shape)
+    assert ns.shape == (n, programs * min(unroll, iters), 2), ns.shape
+    assert steps.shape == (ns.shape[1], 1), steps.shape
     flat = ns.reshape(n, -1)  # per rank: t0, t1 of round 0, t0, t1 of round 1, ...
     assert (np.diff(flat, axis=1) >= 0).all(), flat
     assert (steps >= 0).all()
@@ -154,6 +184,7 @@ def test_window_copies_finds_a_copy_inside_a_timed_window():
 
     bad = window_copies(program(body(True), mesh, inputs)[0].as_text())
     assert len(bad) == 1 and "copy" in bad[0], bad
+    assert bad[0].endswith(" (window 1)"), bad  # between the first kept stamp and the second
     assert window_copies(program(body(False), mesh, inputs)[0].as_text()) == []
 
 
@@ -161,24 +192,20 @@ def test_benchmark_programs_have_no_copy_inside_a_timed_window():
     """`bench moe`'s iterations, `bench overlap`'s three programs per operation and its micro-batch programs, compiled
     for the "cpu" backend (XLA's copy insertion is the same pass on GPU): no copy inside a timed window."""
     import jax
-    import jax_moe
-    from jax_moe.backends import cpu as cpu_backend
     from jax_moe.bench import micro_batches, overlap, programs
-    devices = jax.devices()
-    n = len(devices)
-    mesh = jax.make_mesh((n,), ("ep",), devices=devices)
-    comm = jax_moe.Communicator(jax_moe.MoEConfig(4 * n, 2, 128, 8), mesh, "ep", backend="cpu")
-    inputs = programs.make_inputs(np.random.default_rng(), n, 8, 128, 4 * n, 2, False)
-    stamp = cpu_backend.timestamp
+    mesh, comm, inputs, stamp = _cpu_comm()
 
-    def moe(x, xs, idx, w):  # as gpu_run: x passes from iteration to iteration
-        out, s0, x = programs._api_iteration(comm, stamp, x, xs, idx, w, x)
-        _, s1, _ = programs._api_iteration(comm, stamp, x, xs, idx, w, out)
-        return jax.numpy.stack([s0, s1])[None]
+    def moe(split):
+        def f(x, xs, idx, w):  # gpu_run's loop
+            return jax.numpy.stack(programs.iterations("cpu", comm, 0, 0, "ep", stamp, x, xs, idx, w, idx, 2,
+                                                       split))[None]
+        return f
 
-    bodies = {"moe": moe}
+    bodies = {"moe": moe(True), "moe, no split": moe(False)}
     names = ("comm", "sequential", "two micro-batches", "both open")
-    bodies.update({f"micro-batches {k}": b for k, b in zip(names, micro_batches.bodies(comm, stamp, 256))})
+    for name, body in zip(names, micro_batches.bodies(comm, stamp, 256)):
+        bodies[f"micro-batches {name}"] = overlap.stamps_only(body)
+        bodies[f"micro-batches {name}, rounds"] = overlap.rounds(body, 2, False, stamp)
     for op in ("dispatch", "combine"):
         for name, body in zip(("comm", "gemm", "overlap"), overlap._programs(comm, op, stamp, 256)):
             bodies[f"{op} {name}"] = overlap.rounds(body, 2, False, stamp)
@@ -188,38 +215,45 @@ def test_benchmark_programs_have_no_copy_inside_a_timed_window():
 
 def test_moe_iterations_copy_x_at_most_once():
     """An iteration's start stamp passes x on in place, so XLA copies x for every iteration that gets the program's
-    own x while a later one still reads it; where XLA puts those copies is its scheduler's choice, and on GPU it put
-    them inside the timed windows. Given the x the previous start stamp passed on (as gpu_run does), the program
-    copies x once at most (the parameter, before the first stamp), however many iterations it has."""
-    import re
+    own x while a later one still reads it; where XLA puts those copies is its scheduler's choice (on the H200 it put
+    them between iterations, in the window from one iteration's last stamp to the next one's start: flagged by
+    window_copies, though no operation's time includes it). gpu_run's loop (programs.iterations, compiled here with the
+    CPU stamp) gives each iteration the x the previous start stamp passed on, so the program copies x once at most
+    (the parameter, before the first stamp), however many iterations it has."""
     import jax
-    import jax_moe
-    from jax_moe.backends import cpu as cpu_backend
     from jax_moe.bench import programs
-    devices = jax.devices()
-    n = len(devices)
-    mesh = jax.make_mesh((n,), ("ep",), devices=devices)
-    comm = jax_moe.Communicator(jax_moe.MoEConfig(4 * n, 2, 128, 8), mesh, "ep", backend="cpu")
-    inputs = programs.make_inputs(np.random.default_rng(), n, 8, 128, 4 * n, 2, False)
-    stamp = cpu_backend.timestamp
+    mesh, comm, inputs, stamp = _cpu_comm()
 
-    def body(thread):
+    def own_x(x, xs, idx, w):  # the pattern this guards against: each iteration stamps the program's own x
+        out, stamps = x, []
+        for _ in range(4):
+            out, s, _ = programs._api_iteration(comm, stamp, x, xs, idx, w, out)
+            stamps.append(s)
+        return jax.numpy.stack(stamps)[None]
+
+    def loop(split):
         def f(x, xs, idx, w):
-            out, stamps, x0 = x, [], x
-            for _ in range(4):
-                out, s, x1 = programs._api_iteration(comm, stamp, x0, xs, idx, w, out)
-                x0 = x1 if thread else x
-                stamps.append(s)
-            return jax.numpy.stack(stamps)[None]
+            return jax.numpy.stack(programs.iterations("cpu", comm, 0, 0, "ep", stamp, x, xs, idx, w, x, 4,
+                                                       split))[None]
         return f
 
-    def copies_of_x(thread):
-        hlo = programs.program(body(thread), mesh, inputs)[0].as_text()
-        entry = hlo[hlo.find("\nENTRY"):]
-        return len(re.findall(r"= bf16\[8,128\]\S* copy\(", entry))
+    assert _copies_of_x(programs.program(own_x, mesh, inputs)[0].as_text()) >= 3  # the count sees the pattern
+    for split in (True, False):
+        assert _copies_of_x(programs.program(loop(split), mesh, inputs)[0].as_text()) <= 1, split
 
-    assert copies_of_x(False) >= 3  # the pattern this guards against: one copy per later iteration
-    assert copies_of_x(True) <= 1
+
+def test_overlap_rounds_copy_x_at_most_once():
+    """`bench overlap`'s rounds (and its micro-batch rounds) pass x on from round to round as `bench moe`'s
+    iterations do: one copy of x at most per program, where stamping the program's own x every round cost one a
+    round."""
+    from jax_moe.bench import micro_batches, overlap, programs
+    mesh, comm, inputs, stamp = _cpu_comm()
+    bodies = {f"micro-batches {i}": b for i, b in enumerate(micro_batches.bodies(comm, stamp, 256))}
+    for op in ("dispatch", "combine"):
+        bodies.update({f"{op} {i}": b for i, b in enumerate(overlap._programs(comm, op, stamp, 256))})
+    for name, body in bodies.items():
+        hlo = programs.program(overlap.rounds(body, 4, False, stamp), mesh, inputs)[0].as_text()
+        assert _copies_of_x(hlo) <= 1, name
 
 
 @pytest.mark.multiprocess

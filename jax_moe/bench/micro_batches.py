@@ -32,8 +32,9 @@ def _with_first_leaf(handle, fn: Callable):
 
 
 def bodies(comm, stamp, width: int):
-    """The per-rank bodies (comm, sequential, two, both open): each returns its start and end stamps. width: the
-    experts' inner width F (two GEMMs [rows, hidden] x [hidden, F] x [F, hidden])."""
+    """The per-rank bodies (comm, sequential, two, both open): each returns (its start and end stamps, x as its start
+    stamp passed x on: the next round's x, see overlap.rounds). width: the experts' inner width F (two GEMMs
+    [rows, hidden] x [hidden, F] x [F, hidden])."""
 
     def after(h, dep: jax.Array):
         """Send handle `h` (a DispatchHandle or CombineHandle) whose receive waits for `dep`: a stamp orders them (XLA
@@ -59,13 +60,13 @@ def bodies(comm, stamp, width: int):
         """A then B, each dispatch -> work(rows, its tokens) -> combine."""
 
         def body(x, xs, idx, w):
-            x, t0 = stamp(x, x)
+            x, t0 = stamp(x, idx)  # not (x, x): XLA would copy x to stamp it (programs.py)
             outs = []
             for mx, ms, mi, mw in halves(x, xs, idx, w):
                 d = comm.dispatch(mx, mi, x_scale=ms, topk_weights=mw)
                 outs.append(comm.combine(work(d.expert_x, mx), None, d))
             out, t1 = stamp(outs[1], outs[0])
-            return jnp.stack([t0, t1])[None]
+            return jnp.stack([t0, t1])[None], x
 
         return body
 
@@ -73,7 +74,7 @@ def bodies(comm, stamp, width: int):
     sequential_body = one_after_other(expert)
 
     def two_body(x, xs, idx, w):
-        x, t0 = stamp(x, x)
+        x, t0 = stamp(x, idx)
         (ax, as_, ai, aw), (bx, bs, bi, bw) = halves(x, xs, idx, w)
         da = comm.dispatch(ax, ai, x_scale=as_, topk_weights=aw)
         hb = comm.dispatch_send(bx, bi, x_scale=bs, topk_weights=bw)
@@ -87,10 +88,10 @@ def bodies(comm, stamp, width: int):
         oa = comm.combine_recv(after(ca, yb))
         ob = comm.combine(yb, None, db)
         out, t1 = stamp(ob, oa)
-        return jnp.stack([t0, t1])[None]
+        return jnp.stack([t0, t1])[None], x
 
     def both_open_body(x, xs, idx, w):
-        x, t0 = stamp(x, x)
+        x, t0 = stamp(x, idx)
         (ax, as_, ai, aw), (bx, bs, bi, bw) = halves(x, xs, idx, w)
         ha = comm.dispatch_send(ax, ai, x_scale=as_, topk_weights=aw)
         hb = comm.dispatch_send(bx, bi, x_scale=bs, topk_weights=bw)
@@ -103,7 +104,7 @@ def bodies(comm, stamp, width: int):
         oa = comm.combine_recv(after(ca, yb))  # A's combine receive waits for B's expert
         ob = comm.combine_recv(cb)
         out, t1 = stamp(ob, oa)
-        return jnp.stack([t0, t1])[None]
+        return jnp.stack([t0, t1])[None], x
 
     return comm_body, sequential_body, two_body, both_open_body
 

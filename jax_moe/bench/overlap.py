@@ -5,7 +5,8 @@ GPU, the host clock on CPU; the slowest rank per iteration):
 - comm:    send -> recv;
 - gemm:    the GEMM alone: the received rows' worth of tokens (T x top-k rows of `hidden`) times a [hidden, F] bf16
            matrix, F chosen so that the GEMM alone takes a little longer than the communication, 1.1x (scaled from a
-           probe width, and once more from the chosen width where that GEMM took under 1.0x or over 1.3x the comm).
+           probe width, and once more from the chosen width where that GEMM took under 1.0x or over 1.3x the comm;
+           nothing checks the second width, so a GEMM can still come out outside 1.0-1.3x: "g/c" prints its ratio).
            A GEMM shorter than the communication leaves the difference exposed however well the two overlap: the
            measure would be the GEMM's length, not the overlap (until 2026-12-04 F aimed at 1.0x and took 0.9x-1.25x;
            at 0.9x the receive after the GEMM still waited for the wire);
@@ -15,9 +16,11 @@ Hidden fraction = (t_comm + t_gemm - t_overlap) / t_comm (1: all of the communic
 slowdown = its time inside the overlap program / its time alone - 1. p50s; the same options as `bench moe`.
 "hidden as run" takes the GEMM's time inside the overlap program instead of alone: (t_comm + t_gemm_in - t_overlap)
 / t_comm, the communication that the overlap program's own GEMM did not cover. The two differ where the GEMM runs
-faster or slower beside the communication than alone: processes that share one GPU (two "nodes" under MPS) run their
-GEMMs alone at the same moment, and inside the overlap program as far apart as their sends are, so each GEMM there
-shares the GPU less and runs faster; "hidden" then counts that gain as hidden communication, "hidden as run" does not.
+faster or slower beside the communication than alone ("gemm slowed"): "hidden" counts a GEMM that ran faster inside
+the overlap program as hidden communication, "hidden as run" does not. Why a GEMM ran faster there is not known
+(5-8 % in 8 of 12 runs of two processes sharing one H200 under MPS, 2026-12-04): one guess, that the processes' GEMMs
+overlap less there because their sends are far apart, does not fit the runs whose sends were 21-27 us apart and whose
+GEMMs also ran 5-7 % faster.
 
 On GPUs, as in `bench moe`, --unroll rounds run in one program after ~10 ms of matrix products, each round starting
 once the one before has ended: the host enqueues the program while the GPU is busy, so the rounds are paced by the
@@ -36,7 +39,7 @@ import functools
 import json
 import os
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +95,8 @@ def _ns(words: np.ndarray, gpu: bool) -> np.ndarray:
 
 
 def _programs(comm, op: str, stamp, gemm_f: int):
-    """The per-rank bodies of the three programs of `op` ("dispatch" or "combine"): each returns its stamps."""
+    """The per-rank bodies of the three programs of `op` ("dispatch" or "combine"): each returns (its stamps, x as it
+    passed x on), for rounds() to give the next round."""
     r = comm.cfg.experts_per_token
 
     def gemm(a, b):
@@ -105,32 +109,33 @@ def _programs(comm, op: str, stamp, gemm_f: int):
         return a, b
 
     def timed_op(x, xs, idx, w, mid, dep=None):
-        """stamp (once `dep` is ready) -> send -> mid(handle) -> recv of `op`: (start stamp, output). mid returns the
-        handle it was given, tied to whatever it did. Combine's input is a dispatch before the stamp, not timed."""
+        """stamp (once `dep` is ready) -> send -> mid(handle) -> recv of `op`: (start stamp, output, x as passed on).
+        mid returns the handle it was given, tied to whatever it did. Combine's input is a dispatch before the stamp,
+        not timed."""
         if op == "dispatch":
-            x, t0 = stamp(x, x if dep is None else dep)
+            x, t0 = stamp(x, idx if dep is None else dep)  # not (x, x): XLA would copy x to stamp it (programs.py)
             h = comm.dispatch_send(x, idx, x_scale=xs, topk_weights=w)
             d = comm.dispatch_recv(DispatchHandle(h._x, h._x_scale, h._topk_idx, mid(h._handle), h._comm_id,
                                                   h._topk_weights))
-            return t0, d.expert_x
+            return t0, d.expert_x, x
         d = comm.dispatch(x, idx, x_scale=xs, topk_weights=w)  # weights at dispatch: the expert ranks may sum
         y = d.expert_x.astype(comm.cfg.combine_dtype)
-        y, t0 = stamp(y, y if dep is None else dep)
+        y, t0 = stamp(y, idx if dep is None else dep)  # not (y, y), as above
         c = comm.combine_send(y, d)
         return t0, comm.combine_recv(CombineHandle(c._expert_y, c._dispatched, mid(c._handle), c._comm_id,
-                                                   c._reduced))
+                                                   c._reduced)), x
 
     def comm_body(x, xs, idx, w):
-        t0, out = timed_op(x, xs, idx, w, lambda h: h)
+        t0, out, x = timed_op(x, xs, idx, w, lambda h: h)
         out, t1 = stamp(out, t0)  # waits for out, its operand (stamp(out, out) made XLA copy out inside the window)
-        return jnp.stack([t0, t1])[None]
+        return jnp.stack([t0, t1])[None], x
 
     def gemm_body(x, xs, idx, w):
         a, b = operands(x)
         a, t0 = stamp(a, b)
         g = gemm(a, b)
         g, t1 = stamp(g, t0)  # as comm_body's end
-        return jnp.stack([t0, t1])[None]
+        return jnp.stack([t0, t1])[None], x
 
     def overlap_body(x, xs, idx, w):
         a, b = operands(x)
@@ -146,33 +151,45 @@ def _programs(comm, op: str, stamp, gemm_f: int):
             stamps["g"] = g
             return jax.tree_util.tree_unflatten(tree, leaves)
 
-        t0, out = timed_op(x, xs, idx, w, mid, dep=a)
+        t0, out, x = timed_op(x, xs, idx, w, mid, dep=a)
         out, t1 = stamp(out, stamps["g"])
-        return jnp.stack([t0, stamps["g0"], stamps["g1"], t1])[None]
+        return jnp.stack([t0, stamps["g0"], stamps["g1"], t1])[None], x
 
     return comm_body, gemm_body, overlap_body
 
 
-def rounds(body, unroll: int, gpu: bool, stamp: Callable) -> Callable:
-    """`body` (one round's stamps, [1, k, words]) run `unroll` times in one program, each round after the one before
-    has ended; on GPU after `busy` (see the module's docstring). Returns [1, unroll, k, words]."""
+Body = Callable[..., tuple[jax.Array, jax.Array]]  # (x, xs, idx, w) -> (one round's stamps [1, k, words], x passed on)
+
+
+def rounds(body: Body, unroll: int, gpu: bool, stamp: Callable) -> Callable:
+    """`body` run `unroll` times in one program, each round after the one before has ended; on GPU after `busy` (see
+    the module's docstring). Each round gets the x the round before passed on, not the program's own: a stamp passes x
+    on in place, and XLA copies a buffer that a later call still reads before it lets a call write it (a copy of x per
+    round; see programs._api_iteration). Returns [1, unroll, k, words]."""
     def f(x, xs, idx, w):
-        dep = busy(x) if gpu else x
+        dep = busy(x) if gpu else None  # CPU: the first round waits for nothing
         out = []
         for _ in range(unroll):
-            xi, _ = stamp(x, dep)  # x, once the previous round's last stamp exists
-            out.append(body(xi, xs, idx, w)[0])
+            if dep is not None:
+                x, _ = stamp(x, dep)  # x, once `busy` or the previous round's last stamp exists
+            s, x = body(x, xs, idx, w)
+            out.append(s[0])
             dep = out[-1]
         return jnp.stack(out)[None]
     return f
 
 
-def _run(body, mesh, inputs, iters: int, warmup: int, gpu: bool, stamps: bool = False, unroll: int = 1):
+def stamps_only(body: Body) -> Callable:
+    """`body` as a program of one round: its stamps alone."""
+    return lambda x, xs, idx, w: body(x, xs, idx, w)[0]
+
+
+def _run(body: Body, mesh, inputs, iters: int, warmup: int, gpu: bool, stamps: bool = False, unroll: int = 1):
     """[rounds, k] us between successive stamps, the max over ranks per round; with `stamps`, also the stamps
     themselves, [n, rounds, k + 1] ns. Rounds `unroll` at a time in one program (rounds()): at least `iters`, whole
     programs."""
     unroll = max(1, min(unroll, iters))
-    f, args = program(rounds(body, unroll, gpu, _stamper(gpu)) if unroll > 1 else body, mesh, inputs,
+    f, args = program(rounds(body, unroll, gpu, _stamper(gpu)) if unroll > 1 else stamps_only(body), mesh, inputs,
                       place=multihost.place)
     for _ in range(warmup):
         jax.block_until_ready(f(*args))
@@ -252,6 +269,11 @@ def sms_in_flight(comm, op: str, tokens: int) -> dict:
     return {"sms_in_flight": min(blocks, s["sms"]), "send_kernel": [blocks, threads], "sms_between_halves": 0}
 
 
+def _percent(fraction: Optional[float], width: int) -> str:
+    """A fraction as a right-aligned percent cell, "-" where there is none (no communication or GEMM time)."""
+    return f"{'-':>{width}}" if fraction is None else f"{100 * fraction:>{width - 1}.0f}%"
+
+
 def main(argv) -> int:
     args = _parse(list(argv))
     if args.processes > 1 and not os.environ.get(processes.PROC_ENV):
@@ -276,9 +298,9 @@ def main(argv) -> int:
     nodes = "" if args.ranks_per_node is None else f" ranks_per_node={args.ranks_per_node} provider={args.provider}"
     print(f"[overlap] platform={jax.default_backend()} ranks={n}{nodes} devices={devices[0].device_kind} "
           f"backends={backends} shapes={shapes}; us, p50 of the slowest rank", flush=True)
-    print(f"{'shape':<8}{'backend':<8}{'op':<9}{'comm':>9}{'gemm':>9}{'g/c':>6}{'both':>9}{'hidden':>8}{'as run':>8}{'gemm slowed':>12}"
-          f"{'GEMM':>22}  SMs of our send kernel (none between the halves); in `both`: send, recv after the GEMM, the "
-          f"ranks' sends apart")
+    print(f"{'shape':<8}{'backend':<8}{'op':<9}{'comm':>9}{'gemm':>9}{'g/c':>6}{'both':>9}{'hidden':>8}{'as run':>8}"
+          f"{'gemm slowed':>12}{'GEMM':>22}  SMs of our send kernel (none between the halves); in `both`: send, recv "
+          f"after the GEMM, the ranks' sends apart")
     results = []
     for shape in shapes:
         if shape not in SHAPES:
@@ -314,11 +336,10 @@ def main(argv) -> int:
                 res = {"shape": shape, "backend": backend, "ranks": n,
                        **measure(comm, mesh, inputs, op, iters, args.warmup, gpu, unroll), **sms_in_flight(comm, op, t)}
                 results.append(res)
-                hid = res["hidden_fraction"]
-                slow = res["gemm_slowdown"]
                 print(f"{shape:<8}{backend:<8}{op:<9}{res['comm_us']:>9.1f}{res['gemm_us']:>9.1f}"
-                      f"{res['gemm_us'] / max(res['comm_us'], 1e-3):>6.2f}{res['overlap_us']:>9.1f}{100 * hid:>7.0f}%"
-                      f"{100 * res['hidden_fraction_as_run']:>7.0f}%{100 * slow:>11.0f}%"
+                      f"{res['gemm_us'] / max(res['comm_us'], 1e-3):>6.2f}{res['overlap_us']:>9.1f}"
+                      f"{_percent(res['hidden_fraction'], 8)}{_percent(res['hidden_fraction_as_run'], 8)}"
+                      f"{_percent(res['gemm_slowdown'], 12)}"
                       f"{res['gemm_rows']:>7}x{hidden}x{res['gemm_f']:<8}  "
                       f"{'-' if res['sms_in_flight'] is None else res['sms_in_flight']:>4}  "
                       f"{res['send_us']:.1f}, {res['recv_after_gemm_us']:.1f}, {res['sends_apart_us']:.1f}",

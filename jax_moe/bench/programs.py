@@ -62,7 +62,9 @@ def _api_iteration(comm, stamp, x, xs, idx, w, dep, split=True, weights_at_dispa
     """One dispatch + combine through the jax_moe API with 6 stamps: [start, send, recv, (expert), send, recv]:
     (output, stamps, x as the start stamp passed it on). Give the next iteration that x, not the program's own: the
     start stamp passes x on in place, and XLA copies a buffer that a later call still reads before it lets a call
-    write it in place (a copy of x per iteration, which the compiled GPU programs placed inside the timed windows).
+    write it in place (a copy of x per iteration). The compiled GPU programs placed those copies between kept stamps,
+    in the window from one iteration's last stamp to the next one's start stamp: one that window_copies flags, but
+    that no operation's time includes (the EP1 floors did not move once the copies were gone).
 
     weights_at_dispatch: the router weights go with dispatch (the expert ranks may sum a token's rows), else to
     combine (rows per (t, k)).
@@ -74,7 +76,8 @@ def _api_iteration(comm, stamp, x, xs, idx, w, dep, split=True, weights_at_dispa
     if not split:
         d = comm.dispatch(x, idx, x_scale=xs, topk_weights=wd)
         ex, t2 = stamp(d.expert_x, d.expert_counts)
-        y, t3 = stamp(ex.astype(comm.cfg.combine_dtype), ex)  # the experts' stand-in: fp8 -> bf16, not timed
+        # the experts' stand-in: fp8 -> bf16, not timed. dep t2, not ex: with bf16 in, y is ex (programs.py on stamps)
+        y, t3 = stamp(ex.astype(comm.cfg.combine_dtype), t2)
         out, t5 = stamp(comm.combine(y, wc, d), y)
         return out, jnp.concatenate([t0, t0, t2, t3, t3, t5]), x
     h = comm.dispatch_send(x, idx, x_scale=xs, topk_weights=wd)
@@ -162,8 +165,10 @@ def window_copies(hlo: str) -> list[str]:
     """The copies in a compiled program's entry computation (its schedule, in order) between two stamps
     (jax_moe_*_timestamp) whose times the program keeps, with no other stamp between them: each runs inside a timed
     window and adds its bytes' time to it. A stamp whose time is dropped (a tie between rounds, overlap.rounds) ends
-    the window before it; a copy beside it is outside. Each as "<copy> (window k)": after the k-th kept stamp, from 1
-    (bench moe's iterations keep 6: window 6j + 1 is iteration j's dispatch_send, ..., 6j + 6 the gap to the next).
+    the window before it; a copy beside it is outside. Each as "<copy> (window k)": after the k-th kept stamp, from 1.
+    Stamps per `bench moe` iteration: 6 on the split-API path (window 6j + 1 is iteration j's dispatch_send, ..., 6j + 6
+    the stretch to the next iteration's start); 4 where there is no split (split=False, xla-ragged: start, after
+    dispatch, after the experts' stand-in, after combine; window 4j + 4 the stretch to the next start).
     [] where there are none."""
     at = hlo.find("\nENTRY")
     if at < 0:
@@ -184,21 +189,29 @@ def window_copies(hlo: str) -> list[str]:
     return found
 
 
+def iterations(kind: str, comm_or_none, n: int, l: int, axis: str, stamp, x, xs, idx, w, dep, unroll: int,
+               split: bool = True) -> list[jax.Array]:
+    """`unroll` iterations of backend `kind`, each starting once the one before has ended (the first once `dep`
+    exists); x passes from each start stamp to the next iteration (see _api_iteration). Returns their stamps. gpu_run's
+    loop, here so that tests/test_bench.py compiles the same loop with the CPU stamp."""
+    out, stamps = dep, []
+    for _ in range(unroll):
+        if kind == "xla-ragged":
+            out, s, x = _ragged_iteration(n, l, axis, stamp, x, xs, idx, w, out)
+        else:
+            out, s, x = _api_iteration(comm_or_none, stamp, x, xs, idx, w, out, split,
+                                       weights_at_dispatch=not kind.endswith("-entry"))
+        stamps.append(s)
+    return stamps
+
+
 def gpu_run(kind, comm_or_none, mesh, n, l, inputs, iters, unroll, warmup, split=True):
     timestamp = cuda_backend.timestamp
     axis = mesh.axis_names[0]
 
     def body(x, xs, idx, w):
-        out, stamps = busy(x), []
-        for _ in range(unroll):  # x passes from iteration to iteration (see _api_iteration)
-            dep = out
-            if kind == "xla-ragged":
-                out, s, x = _ragged_iteration(n, l, axis, timestamp, x, xs, idx, w, dep)
-            else:
-                out, s, x = _api_iteration(comm_or_none, timestamp, x, xs, idx, w, dep, split,
-                                           weights_at_dispatch=not kind.endswith("-entry"))
-            stamps.append(s)
-        return jnp.stack(stamps)[None]
+        return jnp.stack(iterations(kind, comm_or_none, n, l, axis, timestamp, x, xs, idx, w, busy(x), unroll,
+                                    split))[None]
 
     f, args = program(body, mesh, inputs, place=multihost.place)
     for _ in range(warmup):
