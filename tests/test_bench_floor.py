@@ -124,24 +124,58 @@ def test_table_shows_each_floor_its_ratio_and_target_or_why_not():
 
 def test_a_staged_run_shows_its_floor_with_the_two_copies_beside_it():
     """fabric_memory="staged" adds two copies per round (out of HBM, into it) that the floor's wire does not have:
-    beside the floor, not in it, x +copies = p50 / (floor + 2 * bytes at the copy rate); none for a send half."""
+    beside the floor, not in it, x +copies = p50 / (floor + 2 * bytes at the copy rate); none for a send half. The
+    rate is small enough here (0.05 GB/s: 20 us for 500 B) that x +copies and x floor differ in the table."""
     rec = _rec()
     ep1 = {("decode", 128, "cuda"): {op: 10.0 for op in floor.OPS}}
-    got = floor.rec_floors(rec, ep1, {500: 40.0, 1000: 70.0}, {}, copy_gbps=50.0)
+    rate = 0.05
+    got = floor.rec_floors(rec, ep1, {500: 40.0, 1000: 70.0}, {}, copy_gbps=rate)
     nbytes = got["dispatch"]["wire_bytes"]
-    assert got["dispatch"]["staging_us"] == pytest.approx(2 * nbytes / 50e3)  # bytes / (GB/s) in us
+    assert got["dispatch"]["staging_us"] == pytest.approx(2 * nbytes / (rate * 1e3))  # bytes / (GB/s) in us
     assert got["dispatch"]["floor_us"] == 10.0 + got["dispatch"]["wire_one_way_us"]  # the floor itself is unchanged
     p50 = rec["stats"]["dispatch"]["p50"]
-    assert got["dispatch"]["ratio_with_copies"] == pytest.approx(p50 / (got["dispatch"]["floor_us"] + 2 * nbytes / 50e3))
+    with_copies = got["dispatch"]["floor_us"] + 2 * nbytes / (rate * 1e3)
+    assert got["dispatch"]["ratio_with_copies"] == pytest.approx(p50 / with_copies)
     assert "staging_us" not in got["dispatch_send"] and "staging_us" not in got["combine_send"]
     assert "staging_us" not in floor.rec_floors(rec, ep1, {500: 40.0, 1000: 70.0})["dispatch"]  # not staged
     rec["floor"] = got
-    meta = {"provider": "shm", "fabric": {"memory": "host"}, "staging_copy_GBps": 50.0}
+    meta = {"provider": "shm", "fabric": {"memory": "host"}, "staged": True, "staging_copy_GBps": rate}
     lines = floor.table([rec], meta)
-    assert "x +copies" in lines[0] and "50.0 GB/s" in lines[0]
+    assert "x +copies" in lines[0] and "0.05 GB/s" in lines[0]
     rows = {line.split()[3]: line for line in lines[2:]}
-    assert rows["dispatch"].split()[-1] == f"{got['dispatch']['ratio_with_copies']:.2f}"
+    for op in ("dispatch", "dispatch_recv", "combine", "combine_recv"):
+        cells = rows[op].split()
+        assert cells[-1] == f"{got[op]['ratio_with_copies']:.2f}", op
+        assert cells[-1] != cells[10] == f"{got[op]['ratio']:.2f}", op  # x +copies beside x floor, not equal to it
     assert rows["dispatch_send"].split()[-1] == "-"
+
+
+def test_a_staged_run_without_a_copy_rate_says_so():
+    """A staged run whose copy rate was not measured: x +copies reads "n/a" where it would have a value, and the
+    table's first line says why, once; the floor and its other columns are as without staging."""
+    rec = _rec()
+    ep1 = {("decode", 128, "cuda"): {op: 10.0 for op in floor.OPS}}
+    wire = {500: 40.0, 1000: 70.0}
+    got = floor.rec_floors(rec, ep1, wire, {}, copy_gbps=floor.NO_COPY_RATE)
+    plain = floor.rec_floors(rec, ep1, wire, {})
+    for op in floor.OPS:
+        assert {k: v for k, v in got[op].items() if k != "staging_n/a"} == plain[op], op
+        assert ("staging_n/a" in got[op]) == (floor.WIRE[op] is not None), op
+    assert got["dispatch"]["staging_n/a"] == "no copy rate measured"
+    assert floor.op_floor(100.0, 10.0, (500, 40.0), copy_gbps=0.0)["staging_n/a"] == floor.NO_COPY_RATE
+    rec["floor"] = got
+    lines = floor.table([rec], {"provider": "shm", "fabric": {"memory": "host"}, "staged": True,
+                                "staging_copy_GBps": None})
+    assert lines[0].endswith("; x +copies: n/a (no copy rate measured)")
+    rows = {line.split()[3]: line for line in lines[2:]}
+    assert rows["dispatch"].split()[-1] == "n/a" and rows["combine"].split()[-1] == "n/a"
+    assert rows["dispatch_send"].split()[-1] == "-"
+    assert "x +copies:" not in floor.table([rec], {"provider": "shm", "fabric": {"memory": "host"}})[0]  # not staged
+
+
+def test_x_with_copies_of_a_zero_floor_is_none_not_a_division_by_zero():
+    f = floor.op_floor(5.0, 0.0, (0, 0.0), copy_gbps=50.0)
+    assert f["staging_us"] == 0.0 and f["ratio_with_copies"] is None and f["ratio"] is None
 
 
 def test_ep1_command_and_environment():

@@ -18,7 +18,8 @@ Also beside it where the run's areas are staged (fabric_memory="staged": pinned 
 kernels): "x +copies" is p50 / (FLOOR + the two copies staging adds, the sender's out of HBM and the receiver's into
 it, each the bytes at the host-to-device copy rate the run measured (its peer bandwidth; the way out taken as the
 same)). The floor above has no such copies: it is the wire alone, so a staged operation's miss of the target shows
-there how much of it is those copies.
+there how much of it is those copies. A staged run that measured no copy rate reads "n/a" there (the table's first
+line says why, once).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ WIRE = {"dispatch_send": None, "dispatch_recv": "dispatch", "dispatch": "dispatc
         "combine_send": None, "combine_recv": "combine", "combine": "combine"}
 TARGET_FACTOR, TARGET_SLACK_US = 1.5, 10.0
 TARGET = f"p50 <= {TARGET_FACTOR} * floor + {TARGET_SLACK_US:g} us"
+NO_COPY_RATE = "no copy rate measured"  # why a staged run has no x +copies
 DEFINITION = ("EP1 p50 of the same operation and shape + TransferEngine one-way p50 (bench fabric, same provider and "
               "memory) for the bytes it sends to a remote rank; send halves: EP1 only")
 
@@ -77,11 +79,11 @@ def staging_us(nbytes: int, copy_gbps: float) -> float:
 
 
 def op_floor(p50: Optional[float], ep1: Union[float, str], wire: Union[tuple[int, float], str, None],
-             both_ways_us: Optional[float] = None, copy_gbps: Optional[float] = None) -> dict:
+             both_ways_us: Optional[float] = None, copy_gbps: Union[float, str, None] = None) -> dict:
     """One operation's entry: `ep1` is the EP1 p50 or why it is missing; `wire` is (bytes, one-way p50 us), why it is
     missing, or None for a send half (no bytes waited for); `both_ways_us` the same bytes' one-way with both directions
     loaded (reported beside the floor, not in it), where measured; `copy_gbps` the host-to-device copy rate of a
-    staged run (the floor plus its copies, beside the floor)."""
+    staged run (the floor plus its copies, beside the floor), why a staged run has none, or None (not staged)."""
     for why in (ep1, wire):
         if isinstance(why, str):
             return {"n/a": why}
@@ -93,10 +95,14 @@ def op_floor(p50: Optional[float], ep1: Union[float, str], wire: Union[tuple[int
         out["wire_both_ways_us"] = both_ways_us
         if p50 is not None and float(ep1) + both_ways_us > 0:
             out["ratio_both_ways"] = p50 / (float(ep1) + both_ways_us)
-    if copy_gbps and wire is not None:
-        out["staging_us"] = staging_us(nbytes, copy_gbps)
-        if p50 is not None:
-            out["ratio_with_copies"] = p50 / (floor + out["staging_us"])
+    if wire is not None and copy_gbps is not None:
+        if isinstance(copy_gbps, str) or copy_gbps <= 0:
+            out["staging_n/a"] = copy_gbps if isinstance(copy_gbps, str) else NO_COPY_RATE
+        else:
+            out["staging_us"] = staging_us(nbytes, copy_gbps)
+            if p50 is not None:
+                with_copies = floor + out["staging_us"]
+                out["ratio_with_copies"] = p50 / with_copies if with_copies > 0 else None
     if p50 is not None:
         out["ratio"] = p50 / floor if floor > 0 else None
         out["meets_target"] = p50 <= target_us(floor)
@@ -110,9 +116,9 @@ def wire_bytes(rec: dict) -> dict[str, int]:
 
 
 def rec_floors(rec: dict, ep1: Ep1, wire: Wire, both: Wire = "not measured",
-               copy_gbps: Optional[float] = None) -> dict[str, dict]:
+               copy_gbps: Union[float, str, None] = None) -> dict[str, dict]:
     """Every operation of a moe record beside its floor (and `both`, the one-way with both directions loaded; with
-    `copy_gbps`, a staged run's copies)."""
+    `copy_gbps`, a staged run's copies, or why it has none: see op_floor)."""
     key = (rec["shape"], int(rec["tokens"]), rec["backend"])
     mine = ep1 if isinstance(ep1, str) else ep1.get(key, f"the EP1 run has no {key[0]} T={key[1]} {key[2]}")
     nbytes = wire_bytes(rec)
@@ -298,10 +304,12 @@ def attach(doc: dict, args: argparse.Namespace, work: str) -> Optional[dict]:
     except Unavailable as e:
         both = f"bench fabric --exchange: {e}"
         meta["exchange"] = {"command": cmd, "error": both}
-    copy_gbps = None
+    copy_gbps: Union[float, str, None] = None
     if info.get("staged"):  # the run's own measure of the copy engine's rate (moe's peer bandwidth)
-        copy_gbps = (doc["meta"].get("peer_bandwidth") or {}).get("h2d_copy_GBps")
-        meta["staging_copy_GBps"] = copy_gbps
+        rate = (doc["meta"].get("peer_bandwidth") or {}).get("h2d_copy_GBps")
+        copy_gbps = float(rate) if rate and rate > 0 else NO_COPY_RATE
+        meta["staged"] = True
+        meta["staging_copy_GBps"] = copy_gbps if isinstance(copy_gbps, float) else None
     for rec in recs:
         rec["floor"] = rec_floors(rec, ep1, wire, both, copy_gbps)
     doc["meta"]["floor"] = meta
@@ -313,6 +321,16 @@ def _num(v: Optional[float]) -> str:
     return f"{'-':>9s}" if v is None else (f"{v:9.1f}" if v < 1e5 else f"{v:9.2e}")
 
 
+def _copies_legend(meta: dict) -> str:
+    """The x +copies column's part of the table's first line: its rate, why there is none, or nothing (not staged)."""
+    rate = meta.get("staging_copy_GBps")
+    if rate:
+        return f"; x +copies: p50 / (FLOOR + the two staging copies at {rate:.3g} GB/s)"
+    if meta.get("staged") or "staging_copy_GBps" in meta:
+        return f"; x +copies: n/a ({NO_COPY_RATE})"
+    return ""
+
+
 def table(results: list[dict], meta: dict) -> list[str]:
     """Each operation of the records with floors: p50, p99, FLOOR (= EP1 + one-way), measured / floor, target."""
     fab = meta.get("fabric", {})
@@ -321,8 +339,7 @@ def table(results: list[dict], meta: dict) -> list[str]:
              f"remote rank (send halves: EP1 only, their bytes travel during the receive half); us; target {TARGET}; "
              f"both ways: the same bytes' one-way with both directions loaded at once (bench fabric --exchange), "
              f"not in FLOOR; x both: p50 / (EP1 + both ways)"
-             + (f"; x +copies: p50 / (FLOOR + the two staging copies at {meta['staging_copy_GBps']:.1f} GB/s)"
-                if meta.get("staging_copy_GBps") else ""),
+             + _copies_legend(meta),
              f"{'shape':8s} {'T':>5s} {'backend':10s} {'op':13s} {'p50':>9s} {'p99':>9s} {'FLOOR':>9s} {'EP1':>9s} "
              f"{'one-way':>9s} {'bytes':>9s} {'x floor':>8s}  {'target':17s} {'both ways':>9s} {'x both':>7s} "
              f"{'x +copies':>9s}"]
@@ -336,13 +353,14 @@ def table(results: list[dict], meta: dict) -> list[str]:
                 continue
             wire = f["wire_one_way_us"] if WIRE[op] else None
             ratio, ratio_both, ratio_copies = f.get("ratio"), f.get("ratio_both_ways"), f.get("ratio_with_copies")
+            copies = "n/a" if "staging_n/a" in f else "-" if ratio_copies is None else f"{ratio_copies:9.2f}"
             met = f.get("meets_target")
             verdict = "-" if met is None else f"{'yes' if met else 'NO'} (<= {f['target_us']:.1f})"
             lines.append(f"{row} {_num(f['floor_us'])} {_num(f['ep1_p50_us'])} {_num(wire)} "
                          f"{f['wire_bytes'] if WIRE[op] else '-':>9} {'-' if ratio is None else f'{ratio:8.2f}':>8}"
                          f"  {verdict:17s} {_num(f.get('wire_both_ways_us'))} "
                          f"{'-' if ratio_both is None else f'{ratio_both:7.2f}':>7} "
-                         f"{'-' if ratio_copies is None else f'{ratio_copies:9.2f}':>9}")
+                         f"{copies:>9}")
     return lines
 
 
