@@ -21,6 +21,8 @@
 namespace jax_moe::cuda {
 namespace {
 
+static_assert(StageCopies::kPieces == proxy::kMaxPieces, "an event per piece");
+
 // Credits still owed to us are waited for at most this long when the fabric goes.
 constexpr double kDrainBoundS = 5.0;
 constexpr uint32_t kIdMask = 0x7ff;  // bit 11 tells the combine channels apart (proxy/imm.h: ids of 12 bits)
@@ -412,8 +414,9 @@ int DeviceFabric::StageSend(size_t link, uint64_t round) {
       if (pieces.size() < size_t(count)) pieces.resize(size_t(count));
       for (int i = 0; i < count; ++i) {
         const proxy::PieceSpan span = proxy::Piece(n, count, i);
-        pieces[size_t(i)].push_back(
-            {st.send.pinned->host() + at + span.begin, st.send.mirror->data() + at + span.begin, span.end - span.begin});
+        const uint64_t from = at + span.begin;
+        const size_t len = span.end - span.begin;
+        pieces[size_t(i)].push_back({st.send.pinned->host() + from, st.send.mirror->data() + from, len});
       }
     }
     return pieces;
@@ -428,7 +431,11 @@ void DeviceFabric::StageLanded(size_t link, int32_t sender, uint64_t round, int 
   Stream& st = streams_[link];
   const proxy::Lanes lanes{shape_.num_ranks, kFabricLanes, st.region};
   Stream::Landing& l = st.landing[size_t(lanes.Lane(round) * shape_.num_ranks + sender)];
-  if (l.round != round) l = {round, 0, false, count, 0};
+  if (l.round != round) {
+    l = Stream::Landing{};
+    l.round = round;
+    l.count = count;
+  }
   const uint64_t at = lanes.Offset(round, sender);
   if (index == 0) {
     l.bytes = ArrivedBytes(link, st.recv.pinned->host() + at);

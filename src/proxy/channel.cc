@@ -34,6 +34,7 @@ Channel::Channel(const ChannelConfig& config, const std::vector<bool>& remote,
   remote_credits_.assign(n * k, 0);
   remote_rounds_.assign(n * k, 0);
   remote_pieces_.assign(n * k, 0);
+  fruitless_.assign(n, {});
   JAX_MOE_REQUIRE(config.max_pieces == 1 || config.max_pieces == 2 || config.max_pieces == kMaxPieces,
                   "Channel: a region goes in 1, 2 or 4 pieces");
   JAX_MOE_REQUIRE(config.min_piece_bytes >= 4096, "Channel: pieces of at least 4 KB");
@@ -253,37 +254,49 @@ bool Channel::Arrived(uint64_t round, std::vector<int32_t>* missing, const Lande
   const int64_t n = lanes().num_ranks, lane = lanes().Lane(round);
   Cursor& c = arrived_cursor_;
   if (c.round != round) c = {round, 0};
-  bool all = true;
-  for (int64_t p = missing ? 0 : c.next; p < n; ++p) {  // the list of who is missing needs every rank
+  // Read before the look-ups: an immediate banked during them changes it, so the next call looks again.
+  const uint64_t added = remote_ranks_.empty() ? 0 : engine_->ImmsAdded();
+  int64_t first_missing = -1;
+  // The list of who is missing needs every rank; a device that copies pieces as they land needs every sender's
+  // pieces counted as they land, not only the first missing sender's.
+  for (int64_t p = missing ? 0 : c.next; p < n; ++p) {
     bool here;
     if (remote_index_[p] < 0) {
       here = local_->Arrived(p, round);
     } else {
       uint64_t& count = remote_rounds_[p * lanes().count + lane];
       uint8_t& seen = remote_pieces_[p * lanes().count + lane];
-      while (count <= lanes().Earlier(round)) {
-        for (uint32_t code = 0; code < uint32_t(kPieceCodes); ++code) {  // whole regions first: the common case
-          if ((seen >> code) & 1) continue;
-          if (!engine_->TryConsumeImm(Imm(config_.data_kind, round, uint32_t(p), code), 1)) continue;
-          seen |= uint8_t(1u << code);
-          if (landed) (*landed)(int32_t(p), round, PieceIndexOf(code), PieceCountOf(code));
-          if (Whole(seen)) break;
+      Fruitless& f = fruitless_[p];
+      // A hook hears of a piece with `round`: right only if the lane's previous round of p is counted (the pump
+      // asks in round order).
+      JAX_MOE_REQUIRE(!landed || count >= lanes().Earlier(round), "Channel: arrivals asked out of round order");
+      if (count <= lanes().Earlier(round) && !(f.round == round && f.added == added)) {
+        while (count <= lanes().Earlier(round)) {
+          for (uint32_t code = 0; code < uint32_t(kPieceCodes); ++code) {  // whole regions first: the common case
+            if ((seen >> code) & 1) continue;
+            if (!engine_->TryConsumeImm(Imm(config_.data_kind, round, uint32_t(p), code), 1)) continue;
+            seen |= uint8_t(1u << code);
+            if (landed) (*landed)(int32_t(p), round, PieceIndexOf(code), PieceCountOf(code));
+            if (Whole(seen)) break;
+          }
+          if (!Whole(seen)) break;
+          ++count;
+          seen = 0;
         }
-        if (!Whole(seen)) break;
-        ++count;
-        seen = 0;
+        if (count <= lanes().Earlier(round)) f = {round, added};
       }
       here = count > lanes().Earlier(round);
     }
-    if (!here) {
-      all = false;
-      if (!missing) return false;
+    if (here) continue;
+    if (first_missing < 0) first_missing = p;
+    if (missing) {
       missing->push_back(int32_t(p));
-    } else if (!missing) {  // every rank before p is here too: a missing one would have returned
-      c.next = p + 1;
+    } else if (!landed) {
+      break;
     }
   }
-  return all;
+  if (!missing) c.next = first_missing < 0 ? n : first_missing;  // every rank before it is here
+  return first_missing < 0;
 }
 
 void Channel::Release(uint64_t round) {

@@ -161,6 +161,13 @@ class Channel {
   // [N][K] piece codes of the next round counted so far (bit c: code c, proxy/pieces.h). A lane holds one round of a
   // sender at a time (the next needs our credit), so every immediate banked for it is that round's.
   std::vector<uint8_t> remote_pieces_;
+  // [N]: the round and the engine's ImmsAdded() of a sender's last look-up that left its region incomplete. A
+  // sender may send up to 7 piece codes a round, and a proxy pass asks every link again: while nothing new was banked
+  // since, asking again costs no look-up.
+  struct Fruitless {
+    uint64_t round = 0, added = 0;
+  };
+  std::vector<Fruitless> fruitless_;
   // The round PostArea is posting: each remote rank's bytes (read once) and pieces, and the next piece to post.
   struct Posting {
     uint64_t round = 0;
