@@ -32,14 +32,12 @@ class CpuBackend(NativeBackend):
     ffi_platform = "cpu"
     uses_fabric = True
     rounds_in_flight = 4  # the receive lanes of src/cpu (CommOptions::lanes)
+    id_limit = 1 << COMM_ID_BITS
 
     # --- set-up ---------------------------------------------------------------------------------------------------
-    def _native_id(self, comm_id: int) -> int:
-        return comm_id % (1 << COMM_ID_BITS)
-
     def _create(self) -> None:
         rows = [(e.device_id, e.process, e.group, e.rank) for e in self.table.entries]
-        self._mod.release(self.native_id)  # an id reused after 2**12 Communicators
+        self._mod.release(self.native_id)  # no-op: a reused id's earlier holder was freed when it was taken (native.py)
         self._mod.create(self.native_id, self.options.shape(), rows, jax.process_index(), self.options.timeout_s,
                          self.options.fabric_provider)
 

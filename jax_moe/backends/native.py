@@ -7,6 +7,7 @@ A subclass says which native module and FFI attribute it uses and implements the
 """
 from __future__ import annotations
 
+import gc
 import threading
 import types
 import weakref
@@ -39,6 +40,28 @@ def native_module(name: str) -> tuple[Optional[types.ModuleType], Optional[str]]
     if mod is None:
         return None, _ABSENT.get(name, f"this build of jax_moe._core has no {name} backend")
     return mod, None
+
+
+# (native module, native id) -> the finalizer of the Communicator that holds it and that Communicator's id. A native
+# id can be reused (backend "cpu" carries ids modulo 2**COMM_ID_BITS on the wire): only once its holder is gone.
+_holders: dict[tuple[str, int], tuple[weakref.finalize, int]] = {}
+
+
+def _take_native_id(comm: CommView, native: str, native_id: int, id_limit: int) -> tuple[str, int]:
+    """Claims `native_id` for `comm`; refuses it while another live Communicator holds it. A dropped holder that the
+    cycle collector has not reached yet is collected first, so that its finalizer frees its state now and not, later,
+    the state of the Communicator that reuses the id."""
+    key = (native, native_id)
+    held = _holders.get(key)
+    if held is not None and held[0].alive:
+        gc.collect()
+    if held is not None and held[0].alive:
+        raise RuntimeError(
+            f"Communicator {comm.id} would reuse native id {native_id} of Communicator {held[1]}, which is still alive: "
+            f"backend {native!r} tells Communicators apart by their id modulo {id_limit}, so at most {id_limit} "
+            f"Communicators can be alive at once in a process. Drop the ones you no longer use (del, or let their "
+            f"layers go) before making more.")
+    return key
 
 
 def _free_after_programs(free: Callable[[int], None], native_id: int) -> None:
@@ -107,16 +130,22 @@ class NativeBackend(Backend):
         self.reference = XlaBackend(comm)  # the contract's layout from topk_idx alone (per-entry gradients)
         # Registered before anything is allocated, so a failed set-up still frees what it got. At exit the process
         # (and the native module's own exit hook) takes the state with it.
-        weakref.finalize(comm, _free_after_programs, type(self)._free, self.native_id).atexit = False
+        key = _take_native_id(comm, self.native, self.native_id, self.id_limit) if self.id_limit else None
+        done = weakref.finalize(comm, _free_after_programs, type(self)._free, self.native_id)
+        done.atexit = False
+        if key is not None:
+            _holders[key] = (done, int(comm.id))
         self._create()
         self._connect(bootstrap.exchange(self.options, self.table, self._record))
 
     def _check(self, comm: CommView) -> None:
         """Refuses configs the native side cannot run (before anything is allocated)."""
 
+    id_limit: ClassVar[Optional[int]] = None  # native ids are Communicator ids modulo this (None: not reduced)
+
     def _native_id(self, comm_id: int) -> int:
         """The number the native side knows this Communicator by."""
-        return comm_id
+        return comm_id if self.id_limit is None else comm_id % self.id_limit
 
     def _create(self) -> None:
         """Allocates this process's native state."""
