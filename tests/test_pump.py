@@ -67,22 +67,6 @@ def test_hooks_not_ready_at_first_hold_each_round_back_in_order(tmp_path, provid
         assert res == {"rank": r, "rounds": 9, "error": "", "bad_regions": []}
 
 
-@pytest.mark.parametrize("provider", ["tcp", "shm"])
-def test_regions_in_pieces_arrive_intact_and_each_piece_is_counted_once(tmp_path, provider):
-    """fabric_memory="staged" posts each region in pieces as its copy out of HBM gets through them, and copies each
-    piece into HBM as it lands (proxy/pieces.h). Senders cut regions into up to 4, 2 and 1 pieces; every receiver
-    gets every region intact, and hears of each piece of each region exactly once, with its sender's count."""
-    if provider not in AVAILABLE:
-        pytest.skip(f"libfabric provider {provider} not built in")
-    results = run_ranks(tmp_path, 3, provider, rounds=12, mode="pieces")
-    seen = {}
-    for r, res in results.items():
-        assert (res["rounds"], res["error"], res["bad_regions"], res["bad_pieces"]) == (12, "", [], []), res
-        for c, k in res["counts"].items():
-            seen[c] = seen.get(c, 0) + k
-    assert set(seen) == {"1", "2", "4"}, f"the random regions did not cover every count of pieces: {seen}"
-
-
 def test_an_arrival_the_device_side_never_gets_ready_for_stops_the_pump(tmp_path):
     """A copy into GPU memory that never completes: rank 0's pump stops within twice the timeout, saying so, instead
     of leaving its receive kernel to wait; the others see rank 0 go quiet and fail naming it."""

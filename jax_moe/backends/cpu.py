@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax_moe.backends import bootstrap
 from jax_moe.backends.native import NativeBackend
 
-COMM_ID_BITS = 12  # the immediate carries the Communicator id in 12 bits (src/proxy/imm.h)
+COMM_ID_BITS = 15  # the immediate carries the Communicator id in 15 bits (src/proxy/imm.h)
 
 
 def timestamp(a: jax.Array, dep: jax.Array) -> tuple[jax.Array, jax.Array]:

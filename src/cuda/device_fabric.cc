@@ -21,33 +21,9 @@
 namespace jax_moe::cuda {
 namespace {
 
-static_assert(StageCopies::kPieces == proxy::kMaxPieces, "an event per piece");
-
 // Credits still owed to us are waited for at most this long when the fabric goes.
 constexpr double kDrainBoundS = 5.0;
-constexpr uint32_t kIdMask = 0x7ff;  // bit 11 tells the combine channels apart (proxy/imm.h: ids of 12 bits)
-constexpr uint32_t kGradientChannelBit = 0x800;
-
-// How many pieces a staged region goes in (proxy/pieces.h): $JAX_MOE_STAGE_PIECES, 1, 2 or 4 (the default). Senders
-// choose; receivers follow what each piece's immediate says, so processes need not agree.
-int StagePieces() {
-  const char* env = std::getenv("JAX_MOE_STAGE_PIECES");
-  if (env == nullptr || *env == 0) return proxy::kMaxPieces;
-  const std::string v(env);
-  Require(v == "1" || v == "2" || v == "4", "JAX_MOE_STAGE_PIECES must be 1, 2 or 4, got \"" + v + "\"");
-  return std::stoi(v);
-}
-// The shortest piece: $JAX_MOE_STAGE_PIECE_KB (at least 4; default 128: a write of less costs more on the wire than
-// its copy saves; the GPU tests take 4, so that their small regions go in pieces too).
-uint64_t MinPieceBytes() {
-  const char* env = std::getenv("JAX_MOE_STAGE_PIECE_KB");
-  if (env == nullptr || *env == 0) return uint64_t(128) << 10;
-  char* end = nullptr;
-  const long kb = std::strtol(env, &end, 10);
-  Require(end != env && *end == 0 && kb >= 4 && kb <= (1 << 20),
-          "JAX_MOE_STAGE_PIECE_KB must be a number of KB from 4 to 1048576, got \"" + std::string(env) + "\"");
-  return uint64_t(kb) << 10;
-}
+constexpr uint32_t kIdMask = 0x3fff;  // bit 14 tells the combine channels apart, bit 15 is beyond the immediates
 
 // The (GPU, immediate id) of the fabrics alive in this process: the fabrics of one GPU share its engine, so two with
 // the same id there would count each other's arrivals (one Communicator has a fabric per GPU, each on its own engine).
@@ -210,7 +186,7 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory, bool held) {
   }
   if (staged) stage_ = std::make_unique<StageCopies>(ordinal_, 2 * kFabricStreams);  // per stream: sends, arrivals
   // Streams: dispatch, combine channel 0, combine channel 1. The two combine channels share the immediate kinds and
-  // differ in their id (kGradientChannelBit), so their arrivals and credits are counted apart.
+  // differ in their id (bit 14), so their arrivals and credits are counted apart.
   const uint32_t id = id_;
   const proxy::ImmKind data[] = {proxy::ImmKind::kDispatchData, proxy::ImmKind::kCombineData,
                                  proxy::ImmKind::kCombineData};
@@ -221,7 +197,7 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory, bool held) {
   for (int i = 0; i < kFabricStreams; ++i) {
     Stream& st = streams_[i];
     st.region = i == 0 ? FabricDispatchRegion(shape_) : FabricCombineRegion(shape_, i - 1);
-    st.comm_id = id | (i == 2 ? kGradientChannelBit : 0u);
+    st.comm_id = id | (i == 2 ? 0x4000u : 0u);
     const proxy::Lanes lanes{n, kFabricLanes, st.region};
     st.words = std::make_unique<PinnedBuffer>(sizeof(uint64_t) * (proxy::kBellWords + kFabricLanes * n), numa_node_);
     std::tie(st.send, st.send_mr) = NewArea(lanes.buffer_bytes(), staged);
@@ -233,11 +209,6 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory, bool held) {
     config.comm_id = st.comm_id;
     config.rank = rank;
     config.lanes = lanes;
-    if (staged) {
-      config.max_pieces = StagePieces();
-      config.min_piece_bytes = MinPieceBytes();
-      st.landing.assign(size_t(kFabricLanes * n), {});
-    }
     st.channel = std::make_unique<proxy::Channel>(
         config, remote_, engine_, &here_,
         [](uint64_t) -> proxy::Block { Throw(ErrorCode::kInternal, "DeviceFabric: the device packs its regions"); },
@@ -351,9 +322,6 @@ void DeviceFabric::Connect(const std::vector<RemoteEndpoint>& peers, std::functi
   proxy::Pump::Hooks hooks;
   if (stage_) {
     hooks.before_post = [this](size_t link, uint64_t round) { return StageSend(link, round); };
-    hooks.landed = [this](size_t link, int32_t sender, uint64_t round, int index, int count) {
-      StageLanded(link, sender, round, index, count);
-    };
     hooks.before_arrival = [this](size_t link, uint64_t round) { return StageArrival(link, round); };
   } else if (on_gpu_ && visibility_ == RdmaVisibility::kFlush) {
     const int ordinal = ordinal_;
@@ -372,11 +340,10 @@ void DeviceFabric::Connect(const std::vector<RemoteEndpoint>& peers, std::functi
     auto logged = std::make_shared<std::vector<uint64_t>>(2 * kFabricStreams, 0);
     auto post = std::move(hooks.before_post);
     hooks.before_post = [this, post, logged](size_t link, uint64_t round) {
-      const int ready = post ? post(link, round) : proxy::kMaxPieces;
-      if (ready <= 0) return ready;  // the headers are in piece 0
+      if (post && !post(link, round)) return false;
       if ((*logged)[2 * link] < round) Inspect(link, round, /*received=*/false);
       (*logged)[2 * link] = round;
-      return ready;
+      return true;
     };
     auto arrival = std::move(hooks.before_arrival);
     hooks.before_arrival = [this, arrival, logged](size_t link, uint64_t round) {
@@ -396,68 +363,38 @@ void DeviceFabric::Connect(const std::vector<RemoteEndpoint>& peers, std::functi
 }
 
 // Staged, before posting `round` of stream `link`: each remote rank's region, as many bytes as the device wrote for it
-// (its byte words, written before it rang), from the HBM mirror into the registered host area, piece by piece (the
-// pieces the channel posts them in; piece i of every region, then piece i + 1).
-int DeviceFabric::StageSend(size_t link, uint64_t round) {
+// (its byte words, written before it rang), from the HBM mirror into the registered host area.
+bool DeviceFabric::StageSend(size_t link, uint64_t round) {
   const Stream& st = streams_[link];
-  const int slot = int(2 * link);
-  const int done = stage_->Done(slot, round, /*to_device=*/false, [&] {
+  return stage_->Ready(int(2 * link), round, /*to_device=*/false, [&] {
     const proxy::Lanes lanes{shape_.num_ranks, kFabricLanes, st.region};
     const uint64_t* bytes =
         reinterpret_cast<const uint64_t*>(st.words->host()) + proxy::kBellWords + lanes.Lane(round) * shape_.num_ranks;
-    StageCopies::Pieces pieces;
+    std::vector<StageCopies::Copy> copies;
     for (int p = 0; p < shape_.num_ranks; ++p) {
       if (!remote_[p]) continue;
-      const uint64_t at = lanes.Offset(round, p), b = __atomic_load_n(bytes + p, __ATOMIC_ACQUIRE);
-      const uint64_t n = b < st.region ? b : st.region;
-      const int count = st.channel->Pieces(n);
-      if (pieces.size() < size_t(count)) pieces.resize(size_t(count));
-      for (int i = 0; i < count; ++i) {
-        const proxy::PieceSpan span = proxy::Piece(n, count, i);
-        const uint64_t from = at + span.begin;
-        const size_t len = span.end - span.begin;
-        pieces[size_t(i)].push_back({st.send.pinned->host() + from, st.send.mirror->data() + from, len});
-      }
+      const uint64_t at = lanes.Offset(round, p), n = __atomic_load_n(bytes + p, __ATOMIC_ACQUIRE);
+      copies.push_back({st.send.pinned->host() + at, st.send.mirror->data() + at, size_t(n < st.region ? n : st.region)});
     }
-    return pieces;
+    return copies;
   });
-  return done == stage_->PiecesOf(slot) ? proxy::kMaxPieces : done;
 }
 
-// Staged, as the pump counts piece `index` of `count` of `sender`'s region of `round`: that piece from the registered
-// host area into the HBM mirror the receive kernel reads. Its span needs the region's bytes, which the header in piece
-// 0 gives: pieces that land before it wait for it.
-void DeviceFabric::StageLanded(size_t link, int32_t sender, uint64_t round, int index, int count) {
-  Stream& st = streams_[link];
-  const proxy::Lanes lanes{shape_.num_ranks, kFabricLanes, st.region};
-  Stream::Landing& l = st.landing[size_t(lanes.Lane(round) * shape_.num_ranks + sender)];
-  if (l.round != round) {
-    l = Stream::Landing{};
-    l.round = round;
-    l.count = count;
-  }
-  const uint64_t at = lanes.Offset(round, sender);
-  if (index == 0) {
-    l.bytes = ArrivedBytes(link, st.recv.pinned->host() + at);
-    l.sized = true;
-  }
-  l.waiting |= 1u << index;
-  if (!l.sized) return;
-  std::vector<StageCopies::Copy> copies;
-  for (int i = 0; i < l.count; ++i) {
-    if (!((l.waiting >> i) & 1)) continue;
-    const proxy::PieceSpan span = proxy::Piece(l.bytes, l.count, i);
-    copies.push_back({st.recv.mirror->data() + at + span.begin, st.recv.pinned->host() + at + span.begin,
-                      span.end - span.begin});
-  }
-  l.waiting = 0;
-  stage_->Enqueue(/*to_device=*/true, copies);
-}
-
-// Staged, before flagging `round` of stream `link`: every piece of it was enqueued as it landed (StageLanded); an
-// event after them says when they are in HBM.
+// Staged, before flagging `round` of stream `link`: each remote sender's region, as many bytes as its header says it
+// holds, from the registered host area into the HBM mirror the receive kernel reads.
 bool DeviceFabric::StageArrival(size_t link, uint64_t round) {
-  return stage_->Done(int(2 * link + 1), round, /*to_device=*/true, [] { return StageCopies::Pieces{}; }) == 1;
+  const Stream& st = streams_[link];
+  return stage_->Ready(int(2 * link + 1), round, /*to_device=*/true, [&] {
+    const proxy::Lanes lanes{shape_.num_ranks, kFabricLanes, st.region};
+    std::vector<StageCopies::Copy> copies;
+    for (int q = 0; q < shape_.num_ranks; ++q) {
+      if (!remote_[q]) continue;
+      const uint64_t at = lanes.Offset(round, q);
+      copies.push_back({st.recv.mirror->data() + at, st.recv.pinned->host() + at,
+                        size_t(ArrivedBytes(link, st.recv.pinned->host() + at))});
+    }
+    return copies;
+  });
 }
 
 // The bytes a received region holds, as the sender computed them (kernels: fabric.cu for dispatch, combine.cu), from

@@ -55,7 +55,7 @@ struct RemoteEndpoint {
 
 class DeviceFabric {
  public:
-  // remote[p]: rank p is on another node. comm_id: the Communicator's id (its low 11 bits tag the immediates; no two
+  // remote[p]: rank p is on another node. comm_id: the Communicator's id (its low 14 bits tag the immediates; no two
   // live fabrics of a process may share them). ordinal: the GPU (its engine is shared with the GPU's other fabrics).
   // held: the host is held back from running far ahead of this fabric's rounds (the plain handlers; not the
   // command-buffer ones), which "auto" needs before it stages through HBM.
@@ -115,11 +115,8 @@ class DeviceFabric {
   void Inspect(size_t link, uint64_t round, bool received) const;
   // A stream's area of `bytes` and its registration, on the GPU when on_gpu_ (with an HBM mirror when staged).
   std::pair<Area, std::shared_ptr<fabric::MemoryRegion>> NewArea(size_t bytes, bool staged);
-  // The pump's hooks (Connect), staged: the copy engine's work for a round of stream `link`. StageSend: out of HBM,
-  // piece by piece; how many pieces may be posted (proxy::kMaxPieces: all). StageLanded: a remote sender's piece
-  // into HBM as soon as it lands. StageArrival: whether every landed piece of the round is in HBM.
-  int StageSend(size_t link, uint64_t round);
-  void StageLanded(size_t link, int32_t sender, uint64_t round, int index, int count);
+  // The pump's hooks (Connect): the copy engine's work for a round of stream `link` before it is posted / flagged.
+  bool StageSend(size_t link, uint64_t round);
   bool StageArrival(size_t link, uint64_t round);
   uint64_t ArrivedBytes(size_t link, const uint8_t* region) const;  // what a received region's header says it holds
   struct Stream {
@@ -129,15 +126,6 @@ class DeviceFabric {
     std::unique_ptr<proxy::Channel> channel;
     uint64_t region = 0;
     uint32_t comm_id = 0;
-    // Staged, per [lane][sender]: the round whose pieces are landing, its bytes once piece 0 (the header) is here,
-    // and the pieces that landed before it (their spans need the bytes).
-    struct Landing {
-      uint64_t round = 0, bytes = 0;
-      bool sized = false;
-      int count = 1;
-      uint32_t waiting = 0;
-    };
-    std::vector<Landing> landing;
   };
   MoeShape shape_;
   int rank_;

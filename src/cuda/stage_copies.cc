@@ -28,7 +28,7 @@ StageCopies::StageCopies(int ordinal, int slots) : ordinal_(ordinal) {
   DeviceScope scope(ordinal);
   try {
     for (cudaStream_t& s : streams_) Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
-    events_.assign(size_t(slots) * kPieces, nullptr);
+    events_.assign(size_t(slots), nullptr);
     for (cudaEvent_t& e : events_) Check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
   } catch (...) {
     for (cudaEvent_t e : events_)
@@ -38,8 +38,6 @@ StageCopies::StageCopies(int ordinal, int slots) : ordinal_(ordinal) {
     throw;
   }
   rounds_.assign(size_t(slots), 0);
-  counts_.assign(size_t(slots), 0);
-  done_.assign(size_t(slots), 0);
 }
 
 StageCopies::~StageCopies() {
@@ -60,40 +58,26 @@ void StageCopies::MakeCurrent() const {
   }
 }
 
-void StageCopies::Enqueue(bool to_device, const std::vector<Copy>& copies) {
+bool StageCopies::Ready(int slot, uint64_t round, bool to_device, const std::function<std::vector<Copy>()>& copies) {
+  Require(slot >= 0 && size_t(slot) < events_.size() && round > 0, "StageCopies: bad slot or round");
   MakeCurrent();
-  for (const Copy& c : copies) {
-    if (c.bytes == 0) continue;
-    Check(cudaMemcpyAsync(c.dst, c.src, c.bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
-                          streams_[to_device ? 1 : 0]),
-          "cudaMemcpyAsync(fabric stage)");
-  }
-}
-
-int StageCopies::Done(int slot, uint64_t round, bool to_device, const std::function<Pieces()>& pieces) {
-  Require(slot >= 0 && size_t(slot) < rounds_.size() && round > 0, "StageCopies: bad slot or round");
-  MakeCurrent();
-  const size_t s = size_t(slot);
-  cudaEvent_t* events = events_.data() + s * kPieces;
-  if (rounds_[s] != round) {
-    Require(rounds_[s] < round, "StageCopies: rounds out of order");
-    Pieces list = pieces();
-    Require(list.size() <= size_t(kPieces), "StageCopies: too many pieces");
-    if (list.empty()) list.resize(1);
-    for (size_t i = 0; i < list.size(); ++i) {
-      Enqueue(to_device, list[i]);
-      Check(cudaEventRecord(events[i], streams_[to_device ? 1 : 0]), "cudaEventRecord(fabric stage)");
+  cudaEvent_t event = events_[size_t(slot)];
+  if (rounds_[size_t(slot)] != round) {
+    Require(rounds_[size_t(slot)] < round, "StageCopies: rounds out of order");
+    cudaStream_t stream = streams_[to_device ? 1 : 0];
+    for (const Copy& c : copies()) {
+      if (c.bytes == 0) continue;
+      Check(cudaMemcpyAsync(c.dst, c.src, c.bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
+                            stream),
+            "cudaMemcpyAsync(fabric stage)");
     }
-    rounds_[s] = round;
-    counts_[s] = int(list.size());
-    done_[s] = 0;
+    Check(cudaEventRecord(event, stream), "cudaEventRecord(fabric stage)");
+    rounds_[size_t(slot)] = round;
   }
-  for (int& done = done_[s]; done < counts_[s]; ++done) {  // one stream: the events complete in order
-    const cudaError_t err = cudaEventQuery(events[done]);
-    if (err == cudaErrorNotReady) break;
-    Check(err, "cudaEventQuery(fabric stage)");
-  }
-  return done_[s];
+  const cudaError_t err = cudaEventQuery(event);
+  if (err == cudaErrorNotReady) return false;
+  Check(err, "cudaEventQuery(fabric stage)");
+  return true;
 }
 
 }  // namespace jax_moe::cuda

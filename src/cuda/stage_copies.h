@@ -26,34 +26,24 @@ class StageCopies {
     const void* src;
     size_t bytes;
   };
-  // `slots` independent sequences of rounds (a stream's sends and its arrivals), each with an event per piece; copies
-  // to the GPU and from it go on two non-blocking streams of GPU `ordinal`, so both copy engines can work at once.
+  // `slots` independent sequences of rounds (a stream's sends and its arrivals), each with its own event; copies to
+  // the GPU and from it go on two non-blocking streams of GPU `ordinal`, so both copy engines can work at once.
   StageCopies(int ordinal, int slots);
   ~StageCopies();
   StageCopies(const StageCopies&) = delete;
   StageCopies& operator=(const StageCopies&) = delete;
 
-  // How many of `slot`'s pieces for `round` are done, in order. The first call for a round enqueues what `pieces()`
-  // lists (the copies of each piece, at most kPieces; none: one empty piece, an event after whatever the stream was
-  // given before), in the direction `to_device` says, each piece followed by its own event; later calls only query
-  // them. A slot's previous round must be done before its next one starts (the pump asks in round order, each until
-  // it is done). Throws on a CUDA error.
-  using Pieces = std::vector<std::vector<Copy>>;
-  int Done(int slot, uint64_t round, bool to_device, const std::function<Pieces()>& pieces);
-  // The number of pieces `slot`'s current round has (Done is finished at that many).
-  int PiecesOf(int slot) const { return counts_[size_t(slot)]; }
-  // Enqueues `copies` now, with no event of their own: a later Done on the same direction's stream covers them.
-  void Enqueue(bool to_device, const std::vector<Copy>& copies);
-
-  static constexpr int kPieces = 4;
+  // Whether `slot`'s copies for `round` are done. The first call for a round enqueues what `copies()` lists (in the
+  // direction `to_device` says) and records the slot's event; later calls only query it. A slot's previous round must
+  // be done before its next one starts (the pump asks in round order, each until it is done). Throws on a CUDA error.
+  bool Ready(int slot, uint64_t round, bool to_device, const std::function<std::vector<Copy>()>& copies);
 
  private:
   void MakeCurrent() const;  // the calling (proxy) thread's current device
   int ordinal_;
   cudaStream_t streams_[2] = {nullptr, nullptr};  // [to_device]
-  std::vector<cudaEvent_t> events_;  // [slot][kPieces]
-  std::vector<uint64_t> rounds_;     // the round whose copies each slot's events follow (0: none yet)
-  std::vector<int> counts_, done_;   // per slot: its round's pieces, and how many of them are done
+  std::vector<cudaEvent_t> events_;
+  std::vector<uint64_t> rounds_;  // the round whose copies each slot's event follows (0: none yet)
 };
 
 }  // namespace jax_moe::cuda

@@ -109,7 +109,6 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
     return imms_.TryConsume(imm, count);
   }
   uint64_t BankedImm(uint32_t imm) const { return imms_.Banked(imm); }
-  uint64_t ImmsAdded() const { return imms_.Added(); }
   uint64_t DiscardImms(uint32_t mask, uint32_t value) { return imms_.Discard(mask, value); }
   std::vector<PeerInfo> Peers() const;
   EngineStats Stats() const;

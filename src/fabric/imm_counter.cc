@@ -11,7 +11,6 @@ void ImmCounter::AddBatch(const Arrival* arrivals, size_t n) {
       e.total++;
       e.per_peer[arrivals[i].peer]++;
     }
-    added_.fetch_add(n, std::memory_order_release);
   }
   cv_.notify_all();
 }

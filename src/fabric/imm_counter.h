@@ -44,9 +44,6 @@ class ImmCounter {
                 std::vector<uint32_t>* missing);
 
   uint64_t Banked(uint32_t imm) const;
-  // Immediates banked so far, counted after they are banked: a poller that read it before a fruitless look-up and
-  // reads the same value later knows nothing new can be there, without a look-up.
-  uint64_t Added() const { return added_.load(std::memory_order_acquire); }
   // Drops every banked value v with (v & mask) == value (a gone user's); returns how many immediates.
   uint64_t Discard(uint32_t mask, uint32_t value);
   // Takes `count` banked `imm`s if there are that many; never waits (no condition-variable round trip).
@@ -70,7 +67,6 @@ class ImmCounter {
   std::unordered_map<uint32_t, Entry> entries_;
   bool shutdown_ = false;
   std::atomic<int> waiters_{0};
-  std::atomic<uint64_t> added_{0};
 };
 
 }  // namespace jax_moe::fabric

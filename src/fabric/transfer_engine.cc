@@ -84,7 +84,6 @@ void TransferEngine::WaitSends(double timeout_s) { core_->WaitSends(timeout_s); 
 
 bool TransferEngine::TryConsumeImm(uint32_t imm, uint64_t count) { return core_->TryConsumeImm(imm, count); }
 uint64_t TransferEngine::BankedImm(uint32_t imm) const { return core_->BankedImm(imm); }
-uint64_t TransferEngine::ImmsAdded() const { return core_->ImmsAdded(); }
 uint64_t TransferEngine::AddProgressHook(std::function<bool()> hook) { return core_->AddProgressHook(std::move(hook)); }
 void TransferEngine::RemoveProgressHook(uint64_t id) { core_->RemoveProgressHook(id); }
 uint64_t TransferEngine::SendsInFlight(PeerSetId set) const { return core_->SendsInFlight(set); }

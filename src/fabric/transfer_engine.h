@@ -167,8 +167,6 @@ class TransferEngine {
   // consume `count` immediates `imm` if they are all banked (true), else leave everything (false).
   bool TryConsumeImm(uint32_t imm, uint64_t count);
   uint64_t BankedImm(uint32_t imm) const;  // immediates `imm` arrived and not yet consumed
-  // Immediates banked so far (of any value): unchanged since a fruitless TryConsumeImm means nothing new arrived.
-  uint64_t ImmsAdded() const;
   uint64_t SendsInFlight() const;          // writes posted and not yet completed
   uint64_t SendsInFlight(PeerSetId set) const;  // the same, of the writes posted through `set`
   // Drops every banked immediate v with (v & mask) == value; returns how many. For a user of a shared engine that

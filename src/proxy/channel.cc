@@ -33,11 +33,6 @@ Channel::Channel(const ChannelConfig& config, const std::vector<bool>& remote,
   last_received_.assign(k, 0);
   remote_credits_.assign(n * k, 0);
   remote_rounds_.assign(n * k, 0);
-  remote_pieces_.assign(n * k, 0);
-  fruitless_.assign(n, {});
-  JAX_MOE_REQUIRE(config.max_pieces == 1 || config.max_pieces == 2 || config.max_pieces == kMaxPieces,
-                  "Channel: a region goes in 1, 2 or 4 pieces");
-  JAX_MOE_REQUIRE(config.min_piece_bytes >= 4096, "Channel: pieces of at least 4 KB");
 }
 
 Channel::~Channel() {
@@ -123,17 +118,17 @@ void Channel::Send(uint64_t round, const std::vector<int32_t>& rows, const Fill&
   st->remote_pending = true;
   std::vector<uint64_t> offsets;
   for (int32_t p : post) offsets.push_back(uint64_t(p) * lanes().region_bytes);
-  Post(round, *st->mr, offsets, post, bytes, std::vector<uint64_t>(post.size(), lanes().Offset(round, config_.rank)),
-       PieceCode(1, 0));
+  Post(round, *st->mr, offsets, post, bytes);
 }
 
 void Channel::Post(uint64_t round, const fabric::MemoryRegion& src, const std::vector<uint64_t>& src_offsets,
-                   const std::vector<int32_t>& ranks, const std::vector<uint64_t>& bytes,
-                   const std::vector<uint64_t>& dst_offsets, uint32_t piece) {
-  const uint32_t imm = Imm(config_.data_kind, round, uint32_t(config_.rank), piece);
+                   const std::vector<int32_t>& ranks, const std::vector<uint64_t>& bytes) {
+  const uint32_t imm = Imm(config_.data_kind, round, uint32_t(config_.rank));
+  const uint64_t dst = lanes().Offset(round, config_.rank);
   if (ranks.size() == remote_ranks_.size()) {  // the common case: one scatter from the peer set's prebuilt templates
+    std::vector<uint64_t> dsts(ranks.size(), dst);
     try {
-      engine_->Scatter(peer_set_, src, src_offsets.data(), bytes.data(), dst_offsets.data(), ranks.size(), imm);
+      engine_->Scatter(peer_set_, src, src_offsets.data(), bytes.data(), dsts.data(), ranks.size(), imm);
       return;
     } catch (const Error& e) {
       if (e.code() != ErrorCode::kPeerFailed) throw;
@@ -145,8 +140,7 @@ void Channel::Post(uint64_t round, const fabric::MemoryRegion& src, const std::v
   for (size_t j = 0; j < ranks.size(); ++j) {
     const int64_t i = remote_index_[ranks[j]];
     try {
-      engine_->Write(remote_peers_[i], src, src_offsets[j], bytes[j], remote_regions_[i], dst_offsets[j], imm,
-                     peer_set_);
+      engine_->Write(remote_peers_[i], src, src_offsets[j], bytes[j], remote_regions_[i], dst, imm, peer_set_);
     } catch (const Error& e) {
       failed.push_back(ranks[j]);
       why = e.what();
@@ -167,47 +161,22 @@ bool Channel::CanPost(uint64_t round) {
   return true;
 }
 
-bool Channel::PostArea(uint64_t round, const fabric::MemoryRegion& area, const uint64_t* bytes, int ready,
-                       bool* moved) {
-  Posting& p = posting_;
-  if (p.round != round) {
-    if (!CanPost(round)) return false;
-    p = {round, 0, 0, {}, {}};
-    for (int32_t r : remote_ranks_) {
-      // Read once: the device may rewrite the word, and the length checked must be the length posted.
-      const uint64_t b = __atomic_load_n(bytes + r, __ATOMIC_RELAXED);
-      if (b > lanes().region_bytes) {
-        Throw(ErrorCode::kInvalidArgument, std::string(config_.name) + ": the device announced a region of " +
-                                               std::to_string(b) + " bytes, more than a region holds");
-      }
-      p.bytes.push_back(b);
-      p.pieces.push_back(Pieces(b));
-      p.most = p.pieces.back() > p.most ? p.pieces.back() : p.most;
+bool Channel::PostArea(uint64_t round, const fabric::MemoryRegion& area, const uint64_t* bytes) {
+  if (!CanPost(round)) return false;
+  if (remote_ranks_.empty()) return true;
+  std::vector<uint64_t> offsets, lengths;
+  for (int32_t p : remote_ranks_) {
+    // Read once: the device may rewrite the word, and the length checked must be the length posted.
+    const uint64_t b = __atomic_load_n(bytes + p, __ATOMIC_RELAXED);
+    if (b > lanes().region_bytes) {
+      Throw(ErrorCode::kInvalidArgument, std::string(config_.name) + ": the device announced a region of " +
+                                             std::to_string(b) + " bytes, more than a region holds");
     }
+    offsets.push_back(lanes().Offset(round, p));
+    lengths.push_back(b);
   }
-  for (; p.next < p.most && p.next < ready; ++p.next) {
-    PostPiece(round, area, p.next);
-    *moved = true;
-  }
-  return p.next >= p.most;
-}
-
-void Channel::PostPiece(uint64_t round, const fabric::MemoryRegion& area, int index) {
-  const Posting& p = posting_;
-  const uint64_t dst = lanes().Offset(round, config_.rank);
-  for (int count = 1; count <= kMaxPieces; count *= 2) {  // one post per count: the immediate carries it
-    std::vector<int32_t> ranks;
-    std::vector<uint64_t> src_offsets, lengths, dst_offsets;
-    for (size_t j = 0; j < remote_ranks_.size(); ++j) {
-      if (p.pieces[j] != count || index >= count) continue;
-      const PieceSpan span = Piece(p.bytes[j], count, index);
-      ranks.push_back(remote_ranks_[j]);
-      src_offsets.push_back(lanes().Offset(round, remote_ranks_[j]) + span.begin);
-      lengths.push_back(span.end - span.begin);
-      dst_offsets.push_back(dst + span.begin);
-    }
-    if (!ranks.empty()) Post(round, area, src_offsets, ranks, lengths, dst_offsets, PieceCode(count, index));
-  }
+  Post(round, area, offsets, remote_ranks_, lengths);
+  return true;
 }
 
 void Channel::Flush() {
@@ -240,63 +209,29 @@ bool Channel::HasQueued() const {
   return false;
 }
 
-namespace {
-
-// Whether the piece codes in `seen` make a whole region: code 0, or both of two pieces, or all four of four.
-bool Whole(uint8_t seen) {
-  constexpr uint8_t kTwo = 0b110, kFour = 0b1111000;
-  return (seen & 1) || (seen & kTwo) == kTwo || (seen & kFour) == kFour;
-}
-
-}  // namespace
-
-bool Channel::Arrived(uint64_t round, std::vector<int32_t>* missing, const Landed* landed) {
+bool Channel::Arrived(uint64_t round, std::vector<int32_t>* missing) {
   const int64_t n = lanes().num_ranks, lane = lanes().Lane(round);
   Cursor& c = arrived_cursor_;
   if (c.round != round) c = {round, 0};
-  // Read before the look-ups: an immediate banked during them changes it, so the next call looks again.
-  const uint64_t added = remote_ranks_.empty() ? 0 : engine_->ImmsAdded();
-  int64_t first_missing = -1;
-  // The list of who is missing needs every rank; a device that copies pieces as they land needs every sender's
-  // pieces counted as they land, not only the first missing sender's.
-  for (int64_t p = missing ? 0 : c.next; p < n; ++p) {
+  bool all = true;
+  for (int64_t p = missing ? 0 : c.next; p < n; ++p) {  // the list of who is missing needs every rank
     bool here;
     if (remote_index_[p] < 0) {
       here = local_->Arrived(p, round);
     } else {
       uint64_t& count = remote_rounds_[p * lanes().count + lane];
-      uint8_t& seen = remote_pieces_[p * lanes().count + lane];
-      Fruitless& f = fruitless_[p];
-      // A hook hears of a piece with `round`: right only if the lane's previous round of p is counted (the pump
-      // asks in round order).
-      JAX_MOE_REQUIRE(!landed || count >= lanes().Earlier(round), "Channel: arrivals asked out of round order");
-      if (count <= lanes().Earlier(round) && !(f.round == round && f.added == added)) {
-        while (count <= lanes().Earlier(round)) {
-          for (uint32_t code = 0; code < uint32_t(kPieceCodes); ++code) {  // whole regions first: the common case
-            if ((seen >> code) & 1) continue;
-            if (!engine_->TryConsumeImm(Imm(config_.data_kind, round, uint32_t(p), code), 1)) continue;
-            seen |= uint8_t(1u << code);
-            if (landed) (*landed)(int32_t(p), round, PieceIndexOf(code), PieceCountOf(code));
-            if (Whole(seen)) break;
-          }
-          if (!Whole(seen)) break;
-          ++count;
-          seen = 0;
-        }
-        if (count <= lanes().Earlier(round)) f = {round, added};
-      }
+      while (engine_->TryConsumeImm(Imm(config_.data_kind, round, uint32_t(p)), 1)) ++count;
       here = count > lanes().Earlier(round);
     }
-    if (here) continue;
-    if (first_missing < 0) first_missing = p;
-    if (missing) {
+    if (!here) {
+      all = false;
+      if (!missing) return false;
       missing->push_back(int32_t(p));
-    } else if (!landed) {
-      break;
+    } else if (!missing) {  // every rank before p is here too: a missing one would have returned
+      c.next = p + 1;
     }
   }
-  if (!missing) c.next = first_missing < 0 ? n : first_missing;  // every rank before it is here
-  return first_missing < 0;
+  return all;
 }
 
 void Channel::Release(uint64_t round) {

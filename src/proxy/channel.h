@@ -25,7 +25,6 @@
 #include "fabric/transfer_engine.h"
 #include "proxy/imm.h"
 #include "proxy/lanes.h"
-#include "proxy/pieces.h"
 #include "proxy/staging.h"
 
 namespace jax_moe::proxy {
@@ -38,10 +37,6 @@ struct ChannelConfig {
   Lanes lanes;
   uint64_t header_bytes = 0;  // a region's header, then rows of row_bytes
   uint64_t row_bytes = 0;
-  // PostArea writes a region in up to max_pieces pieces (1, 2 or 4) of at least min_piece_bytes (proxy/pieces.h):
-  // for a device that copies its regions out of HBM piece by piece (staged). Receivers follow any sender's pieces.
-  int max_pieces = 1;
-  uint64_t min_piece_bytes = uint64_t(1) << 17;
 };
 
 // The peers of this process, as the device side reaches them (on "cpu": a copy into the peer's host buffer).
@@ -96,13 +91,9 @@ class Channel {
   using Fill = std::function<void(const std::vector<uint8_t*>& regions)>;
   void Send(uint64_t round, const std::vector<int32_t>& rows, const Fill& fill);
   // Posts `round` from a send area the device filled ([K lanes][N ranks] regions in the Lanes layout; bytes[p] of
-  // rank p's region) to the remote ranks, for a device that packs its own regions (a GPU through the Pump): nothing
-  // while one of them has not given credit for it; then the pieces below `ready` (Pieces(bytes[p]) per rank; the
-  // device's copies of pieces 0 .. ready - 1 are done; kMaxPieces: all) not posted before. True once every piece of
-  // the round is posted; `moved` says whether this call posted any. Under the lock.
-  bool PostArea(uint64_t round, const fabric::MemoryRegion& area, const uint64_t* bytes, int ready, bool* moved);
-  // How many pieces PostArea writes a region of `bytes` in.
-  int Pieces(uint64_t bytes) const { return PieceCount(bytes, config_.max_pieces, config_.min_piece_bytes); }
+  // rank p's region) to the remote ranks: false, posting nothing, while one of them has not given credit for it. For
+  // a device that packs its own regions (a GPU through the Pump). Under the lock.
+  bool PostArea(uint64_t round, const fabric::MemoryRegion& area, const uint64_t* bytes);
   // Every remote receiver gave credit for `round`'s lane: PostArea would post it now.
   bool CanPost(uint64_t round);
   // The lock the Proxy or Pump gave this channel.
@@ -111,10 +102,8 @@ class Channel {
   void Flush();
   bool HasQueued() const;
   // Every sender's region of `round` is here; else the missing ranks are appended to `missing` (if not null).
-  // `landed` (if not null) hears of each piece of a remote sender's region once, as it is counted: for a device
-  // that copies each piece on as it lands (staged). Every call that may count pieces must pass it. Under the lock.
-  using Landed = std::function<void(int32_t sender, uint64_t round, int index, int count)>;
-  bool Arrived(uint64_t round, std::vector<int32_t>* missing, const Landed* landed = nullptr);
+  // Under the lock.
+  bool Arrived(uint64_t round, std::vector<int32_t>* missing);
   // We finished reading `round`: credit to every sender. Without the lock.
   void Release(uint64_t round);
   // Nothing queued and every remote receiver gave credit for every round we sent it: no write of ours is still
@@ -129,17 +118,14 @@ class Channel {
     uint64_t bytes;
   };
   bool CreditOk(int64_t peer, uint64_t round);
-  uint32_t Imm(ImmKind kind, uint64_t round, uint32_t rank, uint32_t piece = 0) const {
-    return MakeImm(kind, config_.comm_id, rank, uint32_t(lanes().Lane(round)), piece);
+  uint32_t Imm(ImmKind kind, uint64_t round, uint32_t rank) const {
+    return MakeImm(kind, config_.comm_id, rank, uint32_t(lanes().Lane(round)));
   }
-  // Posts bytes of our region of `round` to the remote ranks `ranks`: rank ranks[i]'s from src_offsets[i] of `src`
-  // to dst_offsets[i] of its receive buffer, all with the immediate of piece code `piece` (one scatter when they are
-  // all the remote ranks); throws kPeerFailed naming the ranks it could not reach after serving the others.
+  // Posts our region of `round` for the remote ranks `ranks`, rank ranks[i]'s from src_offsets[i] of `src` (one
+  // scatter when they are all the remote ranks); throws kPeerFailed naming the ranks it could not reach after
+  // serving the others.
   void Post(uint64_t round, const fabric::MemoryRegion& src, const std::vector<uint64_t>& src_offsets,
-            const std::vector<int32_t>& ranks, const std::vector<uint64_t>& bytes,
-            const std::vector<uint64_t>& dst_offsets, uint32_t piece);
-  // Piece `index` of `round` to every remote rank whose region has more pieces (PostArea).
-  void PostPiece(uint64_t round, const fabric::MemoryRegion& area, int index);
+            const std::vector<int32_t>& ranks, const std::vector<uint64_t>& bytes);
 
   ChannelConfig config_;
   std::shared_ptr<fabric::TransferEngine> engine_;
@@ -158,24 +144,6 @@ class Channel {
   std::vector<std::deque<Outgoing>> queue_;  // [N] regions waiting for the receiver's credit, in round order
   std::vector<uint64_t> remote_credits_;     // [N][K] rounds of a lane a remote receiver released
   std::vector<uint64_t> remote_rounds_;      // [N][K] rounds of a lane a remote sender delivered
-  // [N][K] piece codes of the next round counted so far (bit c: code c, proxy/pieces.h). A lane holds one round of a
-  // sender at a time (the next needs our credit), so every immediate banked for it is that round's.
-  std::vector<uint8_t> remote_pieces_;
-  // [N]: the round and the engine's ImmsAdded() of a sender's last look-up that left its region incomplete. A
-  // sender may send up to 7 piece codes a round, and a proxy pass asks every link again: while nothing new was banked
-  // since, asking again costs no look-up.
-  struct Fruitless {
-    uint64_t round = 0, added = 0;
-  };
-  std::vector<Fruitless> fruitless_;
-  // The round PostArea is posting: each remote rank's bytes (read once) and pieces, and the next piece to post.
-  struct Posting {
-    uint64_t round = 0;
-    int next = 0, most = 0;  // most: the largest count of pieces
-    std::vector<uint64_t> bytes;
-    std::vector<int> pieces;
-  };
-  Posting posting_;
   // A pass of the proxy asks every round's arrivals and credits again until they are all in, and with N ranks that
   // was N look-ups of the engine's banked immediates per question. Once a rank's region (or credit) for a round is
   // here it stays here, so each question resumes at the first rank not yet seen for its round: a pass that finds

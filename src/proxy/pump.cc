@@ -30,11 +30,6 @@ Pump::Pump(std::vector<Link> links, double timeout_s, std::function<std::string(
   Require(timeout_s > 0, "Pump: timeout must be positive");
   for (const Link& l : links_) Require(l.channel && l.area && l.bell && l.bytes, "Pump: incomplete link");
   states_.resize(links_.size());
-  for (size_t i = 0; i < links_.size() && hooks_.landed; ++i) {
-    landed_.push_back([this, i](int32_t sender, uint64_t round, int piece, int count) {
-      hooks_.landed(i, sender, round, piece, count);
-    });
-  }
   traces_.assign(links_.size(), std::vector<std::array<int64_t, 3>>(kTraceRounds, {0, 0, 0}));
   fabric::TransferEngine* engine = links_.empty() ? nullptr : links_[0].channel->engine();
   for (const Link& l : links_) engine = l.channel->engine() == engine ? engine : nullptr;
@@ -114,13 +109,8 @@ bool Pump::Step(Link& link, State& st) {
   auto& trace = traces_[index];
   if (rung > 0 && rung <= kTraceRounds && trace[rung - 1][0] == 0) trace[rung - 1][0] = NowNs();
   // The hook runs as soon as the device rang (its copy overlaps the wait for credits); PostArea checks the credits.
-  while (st.posted < rung) {
-    const uint64_t round = st.posted + 1;
-    const int ready = hooks_.before_post ? hooks_.before_post(index, round) : kMaxPieces;
-    if (ready <= 0 ||
-        !ch.PostArea(round, *link.area, link.bytes + lanes.Lane(round) * lanes.num_ranks, ready, &moved)) {
-      break;
-    }
+  while (st.posted < rung && (!hooks_.before_post || hooks_.before_post(index, st.posted + 1)) &&
+         ch.PostArea(st.posted + 1, *link.area, link.bytes + lanes.Lane(st.posted + 1) * lanes.num_ranks)) {
     ++st.posted;
     if (st.posted <= kTraceRounds) trace[st.posted - 1][1] = NowNs();
     ch.NextSendRound();
@@ -131,9 +121,7 @@ bool Pump::Step(Link& link, State& st) {
     Store(link.bell + kSent, st.posted);
     moved = true;
   }
-  const Channel::Landed* on_landed = hooks_.landed ? &landed_[index] : nullptr;
-  // No list of who is missing on the data path: only for the error.
-  while (ch.Arrived(st.flagged + 1, nullptr, on_landed)) {
+  while (ch.Arrived(st.flagged + 1, nullptr)) {  // no list of who is missing on the data path: only for the error
     if (hooks_.before_arrival && !hooks_.before_arrival(index, st.flagged + 1)) break;
     Store(link.bell + kArrived, ++st.flagged);
     if (st.flagged <= kTraceRounds) trace[st.flagged - 1][2] = NowNs();
@@ -147,7 +135,7 @@ bool Pump::Step(Link& link, State& st) {
     if (st.waiting_since < 0) st.waiting_since = now;
     if (now - st.waiting_since > timeout_s_) {
       std::vector<int32_t> missing;
-      if (ch.Arrived(st.flagged + 1, &missing, on_landed)) {
+      if (ch.Arrived(st.flagged + 1, &missing)) {
         if (now - st.waiting_since <= 2 * timeout_s_) return true;  // it came in just now: the next pass flags it
         Stop(std::string(ch.config().name) + " on " + name_(ch.config().rank) + ": round " +
                  std::to_string(st.flagged + 1) + " arrived, but the device side was not ready to read it within " +

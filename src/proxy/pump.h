@@ -50,19 +50,15 @@ class Pump {
   // `name(rank)` says where a rank runs, for errors. Starts serving at once.
   // own_thread: serve from a thread of its own even when one engine could host it (for comparison).
   // What the device side runs on the pump's thread (null: nothing), with the link's index and the round. Each says
-  // whether the pump may go on; while it says no, the pump asks again on later passes (so it must not block, and
+  // whether the pump may go on; while it says false, the pump asks again on later passes (so it must not block, and
   // must start its work once only):
   // - before_arrival: before it raises a round's arrival flag (a GPU whose NIC writes need a flush, or whose rows
   //   a copy engine must first bring from the wire's host memory into HBM);
-  // - before_post: before it posts a round's regions, once the device rang them: how many of their pieces it may
-  //   post (0: none yet, kMaxPieces: all; the device's rows copied from HBM into the wire's host memory piece by
-  //   piece, proxy/pieces.h; a check of what the device wrote, $JAX_MOE_FABRIC_INSPECT).
-  // - landed: each piece of a remote sender's region as it is counted, before the round's before_arrival (the copy
-  //   engine starts bringing it into HBM while the other pieces are on the wire).
+  // - before_post: before it posts a round's regions, once the device rang them (the device's rows copied from HBM
+  //   into the wire's host memory; a check of what the device wrote, $JAX_MOE_FABRIC_INSPECT).
   struct Hooks {
     std::function<bool(size_t link, uint64_t round)> before_arrival;
-    std::function<int(size_t link, uint64_t round)> before_post;
-    std::function<void(size_t link, int32_t sender, uint64_t round, int index, int count)> landed;
+    std::function<bool(size_t link, uint64_t round)> before_post;
   };
   Pump(std::vector<Link> links, double timeout_s, std::function<std::string(int64_t)> name, bool own_thread = false,
        Hooks hooks = {});
@@ -98,7 +94,6 @@ class Pump {
   const double timeout_s_;
   std::function<std::string(int64_t)> name_;
   Hooks hooks_;
-  std::vector<Channel::Landed> landed_;  // [link]: hooks_.landed for the channel
   mutable std::mutex error_mu_;
   std::string error_;
   ErrorCode error_code_ = ErrorCode::kInternal;

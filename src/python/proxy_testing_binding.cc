@@ -48,9 +48,8 @@ class PumpRank {
  public:
   // The regions of a dispatch of `max_tokens` tokens of `hidden` bf16 channels, one expert per rank, top-1.
   // share: another PumpRank of this process whose engine this one uses too (two Communicators of one GPU).
-  // pieces: the channel posts a region in up to that many pieces (1, 2, 4) of at least min_piece_bytes.
   PumpRank(const std::string& provider, int rank, int n, int lanes, int max_tokens, int hidden, uint32_t comm_id,
-           double timeout_s, bool busy_poll, const PumpRank* share, int pieces, uint64_t min_piece_bytes)
+           double timeout_s, bool busy_poll, const PumpRank* share)
       : rank_(rank),
         comm_id_(comm_id),
         timeout_s_(timeout_s),
@@ -75,8 +74,6 @@ class PumpRank {
     config.comm_id = comm_id;
     config.rank = rank;
     config.lanes = lanes_;
-    config.max_pieces = pieces;
-    config.min_piece_bytes = min_piece_bytes;
     std::vector<bool> remote(n, true);
     remote[rank] = false;  // its own region: the device copies it (here: nobody reads it)
     channel_ = std::make_unique<proxy::Channel>(
@@ -106,9 +103,7 @@ class PumpRank {
   // not_ready: the device side's hooks (a GPU's copy engine, cuda/stage_copies.h) say "not yet" to the first
   // `not_ready` questions about each round before posting it and before flagging it; -1: the arrival hook never
   // says yes (a copy that never completes). The hooks also check that they are asked in round order.
-  // trickle: the post hook lets one more piece of a round go each time it is asked (a copy engine that brings the
-  // pieces out of HBM one by one); every piece counted is then recorded (Landed).
-  void Start(bool own_thread, int not_ready, bool trickle) {
+  void Start(bool own_thread, int not_ready) {
     Require(!pump_, "PumpRank: started twice");
     Pump::Link link{channel_.get(), send_mr_.get(), reinterpret_cast<uint64_t*>(bell_.data()),
                     reinterpret_cast<const uint64_t*>(bytes_.data())};
@@ -124,22 +119,8 @@ class PumpRank {
         if (not_ready < 0) return which == 0;  // posts go out; arrivals are never ready
         return ++g.calls > not_ready;
       };
-      hooks.before_post = [gate](size_t, uint64_t round) { return gate(0, round) ? proxy::kMaxPieces : 0; };
+      hooks.before_post = [gate](size_t, uint64_t round) { return gate(0, round); };
       hooks.before_arrival = [gate](size_t, uint64_t round) { return gate(1, round); };
-    }
-    if (trickle) {
-      Require(not_ready == 0, "PumpRank: trickle or not_ready, not both");
-      hooks.before_post = [this](size_t, uint64_t round) {
-        Gate& g = gates_[0];
-        if (g.round != round) g = {round, 0};
-        return ++g.calls;
-      };
-    }
-    if (trickle) {  // not on the ping-pong benchmark's path
-      hooks.landed = [this](size_t, int32_t sender, uint64_t round, int index, int count) {
-        std::lock_guard<std::mutex> lock(landed_mu_);
-        landed_.emplace_back(int64_t(round), sender, index, count);
-      };
     }
     pump_ = std::make_unique<Pump>(std::vector<Pump::Link>{link}, timeout_s_,
                                    [](int64_t r) { return "rank " + std::to_string(r); }, own_thread,
@@ -229,11 +210,6 @@ class PumpRank {
     const fabric::EngineStats st = engine_->Stats();
     return {st.progress_passes, st.progress_ns, st.poll_ns, st.hooks_ns, st.post_ns};
   }
-  // Every piece the pump counted so far: (round, sender, index, count).
-  std::vector<std::tuple<int64_t, int, int, int>> Landed() const {
-    std::lock_guard<std::mutex> lock(landed_mu_);
-    return landed_;
-  }
   uint64_t region_bytes() const { return lanes_.region_bytes; }
   uint64_t header_bytes() const { return proxy::RegionHeaderBytes(shape_); }
   std::string Error() const { return pump_ ? pump_->error() : std::string(); }
@@ -264,8 +240,6 @@ class PumpRank {
     int calls = 0;
   };
   Gate gates_[2];  // the hooks' view (post, arrival), on the pump's thread only
-  mutable std::mutex landed_mu_;
-  std::vector<std::tuple<int64_t, int, int, int>> landed_;
   std::unique_ptr<Pump> pump_;
 };
 
@@ -277,21 +251,17 @@ void RegisterProxyTesting(nb::module_& m) {
   t.attr("READ") = int(proxy::kRead);
   t.attr("ERROR") = int(proxy::kError);
   nb::class_<PumpRank>(t, "PumpRank")
-      .def(nb::init<const std::string&, int, int, int, int, int, uint32_t, double, bool, const PumpRank*, int,
-                    uint64_t>(),
+      .def(nb::init<const std::string&, int, int, int, int, int, uint32_t, double, bool, const PumpRank*>(),
            nb::arg("provider"), nb::arg("rank"), nb::arg("num_ranks"), nb::arg("lanes"), nb::arg("max_tokens"),
            nb::arg("hidden"), nb::arg("comm_id"), nb::arg("timeout_s"), nb::arg("busy_poll") = false,
-           nb::arg("share_engine_of").none() = nb::none(), nb::arg("pieces") = 1,
-           nb::arg("min_piece_bytes") = uint64_t(4096), nb::keep_alive<1, 11>())
+           nb::arg("share_engine_of").none() = nb::none(), nb::keep_alive<1, 11>())
       .def_prop_ro("region_bytes", [](const PumpRank& r) { return r.region_bytes(); })
       .def_prop_ro("header_bytes", [](const PumpRank& r) { return r.header_bytes(); })
       .def("check_region", &PumpRank::CheckRegion)
       .def("address", &PumpRank::Address)
       .def("descriptor", &PumpRank::Descriptor)
       .def("connect", &PumpRank::Connect, nb::call_guard<nb::gil_scoped_release>())
-      .def("start", &PumpRank::Start, nb::arg("own_thread") = false, nb::arg("not_ready") = 0,
-           nb::arg("trickle") = false)
-      .def("landed", &PumpRank::Landed, "every piece the pump counted so far: (round, sender, index, count)")
+      .def("start", &PumpRank::Start, nb::arg("own_thread") = false, nb::arg("not_ready") = 0)
       .def("close", &PumpRank::Close, nb::call_guard<nb::gil_scoped_release>())
       .def("write_region", &PumpRank::WriteRegion)
       .def("read_region", &PumpRank::ReadRegion)

@@ -83,9 +83,8 @@ def test_rows_per_entry_on_the_gradient_channel_are_refused_across_nodes(rng):
 
 
 def _staged_env(memory: str) -> dict[str, str]:
-    """"staged" runs only with CUDA's eager module loading (src/cuda/stage_copies.h says why). Its regions go in
-    pieces of at least 4 KB here (128 KB by default), so that the tests' small regions are cut too (proxy/pieces.h)."""
-    return {"CUDA_MODULE_LOADING": "EAGER", "JAX_MOE_STAGE_PIECE_KB": "4"} if memory == "staged" else {}
+    """"staged" runs only with CUDA's eager module loading (src/cuda/stage_copies.h says why)."""
+    return {"CUDA_MODULE_LOADING": "EAGER"} if memory == "staged" else {}
 
 
 @pytest.mark.multiprocess

@@ -5,10 +5,8 @@ MODE: ok (every round checked), kill (the last rank exits after round 2), forge 
 region holds in round 2), overflow (rank 1's device announces more bytes than a region holds in round 2), shared (two
 Communicators per rank, whose pumps share the rank's engine, rung in an order that changes every round), slow (the
 device side's hooks say "not yet" 200 times a round before each post and each arrival flag, as a GPU's copy engine),
-stuck (rank 0's arrival hook never says yes: its pump must stop, saying why), pieces (regions of up to 48 KB that
-rank r posts in up to [4, 2, 1][r % 3] pieces of at least 4 KB, one more piece each time the pump asks, as a GPU's copy
-engine brings them out of HBM; every receiver checks the pieces it was told of). Ranks exchange engine addresses
-through files in DIR; each writes DIR/result.RANK (JSON).
+stuck (rank 0's arrival hook never says yes: its pump must stop, saying why). Ranks exchange engine addresses through
+files in DIR; each writes DIR/result.RANK (JSON).
 """
 import json
 import os
@@ -21,36 +19,6 @@ import numpy as np
 from jax_moe import _core
 
 MAGIC, COMM_ID, LANES, T, HIDDEN, TIMEOUT_S = 0x4A4D4F45, 7, 3, 16, 64, 5.0
-MIN_PIECE = 4096  # mode "pieces": the smallest piece (PumpRank's min_piece_bytes)
-
-
-def max_pieces(rank):
-    """Mode "pieces": how many pieces rank `rank` may cut a region into (senders differ; receivers follow)."""
-    return [4, 2, 1][rank % 3]
-
-
-def piece_count(nbytes, most):
-    """proxy/pieces.h PieceCount: pieces of at least MIN_PIECE, doubling up to `most`."""
-    n = 1
-    while n < most and nbytes >= 2 * n * MIN_PIECE:
-        n *= 2
-    return n
-
-
-def check_pieces(pr, rank, n, rounds, result):
-    """Every piece the pump counted, against what each sender's region of each round should have been cut into:
-    each piece once, with the sender's count."""
-    got = {}
-    for k, s, index, count in pr.landed():
-        got.setdefault((k, s), []).append((index, count))
-    for k in range(1, rounds + 1):
-        for s in range(n):
-            if s == rank:
-                continue
-            c = piece_count(len(region(pr, k, s, rank)), max_pieces(s))
-            result["counts"][str(c)] = result["counts"].get(str(c), 0) + 1
-            if sorted(got.get((k, s), [])) != [(i, c) for i in range(c)]:
-                result["bad_pieces"].append(f"round {k} from rank {s}: {sorted(got.get((k, s), []))}, want {c}")
 
 
 def region(pr, round_, sender, dest, rows=None, comm=COMM_ID):
@@ -117,17 +85,11 @@ def main():
     pt = _core.proxy_testing
     if mode == "shared":
         return shared(d, rank, n, provider, rounds)
-    if mode == "pieces":
-        global T, HIDDEN
-        T, HIDDEN = 48, 512  # rows of 1 KB: regions of 0-48 KB, so 1, 2 and 4 pieces all occur
-    pr = pt.PumpRank(provider, rank, n, LANES, T, HIDDEN, COMM_ID, TIMEOUT_S,
-                     pieces=max_pieces(rank) if mode == "pieces" else 1, min_piece_bytes=MIN_PIECE)
+    pr = pt.PumpRank(provider, rank, n, LANES, T, HIDDEN, COMM_ID, TIMEOUT_S)
     pr.connect([(bytes.fromhex(a), bytes.fromhex(desc)) for a, desc in
                 exchange(d, rank, n, [pr.address().hex(), pr.descriptor().hex()])])
-    pr.start(not_ready={"slow": 200, "stuck": -1 if rank == 0 else 0}.get(mode, 0), trickle=mode == "pieces")
+    pr.start(not_ready={"slow": 200, "stuck": -1 if rank == 0 else 0}.get(mode, 0))
     result = {"rank": rank, "rounds": 0, "error": "", "bad_regions": []}
-    if mode == "pieces":
-        result.update(bad_pieces=[], counts={})
     try:
         for k in range(1, rounds + 1):
             if mode == "kill" and rank == n - 1 and k == 3:
@@ -149,8 +111,6 @@ def main():
             result["rounds"] = k
     except RuntimeError as e:
         result["error"] = str(e)
-    if mode == "pieces":
-        check_pieces(pr, rank, n, result["rounds"], result)
     save(d, rank, result)
     if mode == "overflow" and rank == 1:
         # Stay connected until the others have given up: a closed endpoint would fail their round-2 writes
