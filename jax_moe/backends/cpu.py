@@ -37,7 +37,6 @@ class CpuBackend(NativeBackend):
     # --- set-up ---------------------------------------------------------------------------------------------------
     def _create(self) -> None:
         rows = [(e.device_id, e.process, e.group, e.rank) for e in self.table.entries]
-        self._mod.release(self.native_id)  # no-op: a reused id's earlier holder was freed when it was taken (native.py)
         self._mod.create(self.native_id, self.options.shape(), rows, jax.process_index(), self.options.timeout_s,
                          self.options.fabric_provider)
 
