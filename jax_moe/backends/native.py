@@ -11,14 +11,15 @@ import gc
 import threading
 import types
 import weakref
+from functools import partial
 from typing import Any, Callable, ClassVar, Optional
 
 import jax
 import numpy as np
 
-from jax_moe.backends import bootstrap
+from jax_moe.backends import bootstrap, deferred
 from jax_moe.backends.base import Backend, CommView
-from jax_moe.backends.ffi_call import ffi_call, wait_for_programs
+from jax_moe.backends.ffi_call import ffi_call
 from jax_moe.backends.xla import XlaBackend
 
 try:
@@ -55,6 +56,7 @@ def _take_native_id(comm: CommView, native: str, native_id: int, id_limit: int) 
     held = _holders.get(key)
     if held is not None and held[0].alive:
         gc.collect()
+        deferred.run_pending()  # the collected holder's state is freed before its id is taken again
     if held is not None and held[0].alive:
         raise RuntimeError(
             f"Communicator {comm.id} would reuse native id {native_id} of Communicator {held[1]}, which is still alive: "
@@ -66,9 +68,8 @@ def _take_native_id(comm: CommView, native: str, native_id: int, id_limit: int) 
 
 def _free_after_programs(free: Callable[[int], None], native_id: int) -> None:
     """Frees a dropped Communicator's native state once the programs already dispatched (asynchronously) have run:
-    they may still call into it."""
-    wait_for_programs()
-    free(native_id)
+    they may still call into it. Inside a collection: at the next safe point (jax_moe.backends.deferred)."""
+    deferred.after_programs(partial(free, native_id))
 
 
 class NativeBackend(Backend):
@@ -122,6 +123,7 @@ class NativeBackend(Backend):
             raise ValueError(f"backend {self.name!r} runs on {' / '.join(self.platforms)} devices, but the mesh holds "
                              f"{comm.platform} devices")
         self._check(comm)
+        deferred.run_pending()  # the state of Communicators collected since: freed before more is allocated
         self.register_targets()
         self._mod = self.module()
         self.options = bootstrap.NativeOptions.of(comm, self.name, self.uses_fabric)
@@ -167,6 +169,7 @@ class NativeBackend(Backend):
     # --- the halves -----------------------------------------------------------------------------------------------
     def _call(self, name: str, results: Any, *args: jax.Array, **attrs: Any) -> Any:
         """FFI handler `name` in program order, for this Communicator."""
+        deferred.run_pending()
         attrs["comm_id"] = np.int64(self.native_id)  # the attribute every handler reads
         return ffi_call(self.target(name), results, *args, axes=self.comm.axes, **attrs)
 

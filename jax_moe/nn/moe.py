@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe
+from jax_moe.backends import deferred
 
 ACTIVATIONS = ("swiglu", "gelu")
 
@@ -44,13 +45,12 @@ class _LayerComms:
 
 def _retire(by_tokens: dict) -> None:
     """The layer is gone. Programs launched before (jax dispatches asynchronously) may still call its native
-    Communicators: let them finish, then drop the Communicators (their backends release what they hold)."""
+    Communicators: let them finish, then drop the Communicators (their backends release what they hold). Inside a
+    collection: at the next safe point (jax_moe.backends.deferred)."""
     if any(c.backend_name != "xla" for c in by_tokens.values()):
-        try:
-            jax.effects_barrier()  # the native halves carry an ordered effect: this waits for the programs using them
-        except Exception:  # noqa: BLE001 - a failed program reports its error where its results are awaited
-            pass
-    by_tokens.clear()
+        deferred.after_programs(by_tokens.clear)
+    else:
+        by_tokens.clear()
 
 
 _lock = threading.Lock()
