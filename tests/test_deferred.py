@@ -4,6 +4,7 @@ next safe point; a Communicator dropped outside a collection is freed at once.""
 from __future__ import annotations
 
 import gc
+import weakref
 
 import jax
 import numpy as np
@@ -12,21 +13,17 @@ from jax.sharding import PartitionSpec as P
 
 import jax_moe
 from jax_moe.backends import deferred
-from support.helpers import mesh_of, random_routing, random_tokens, shard
+from support.helpers import cpu_module, mesh_of, random_routing, random_tokens, shard
 
 N, T, HIDDEN = 2, 4, 64
 
 
 @pytest.fixture
-def core():
-    try:
-        jax_moe.backends.load("cpu")
-    except jax_moe.BackendUnavailable as e:
-        pytest.skip(str(e))
-    from jax_moe import _core
+def cpu():
+    module = cpu_module()
     gc.collect()
     deferred.run_pending()
-    return _core
+    return module
 
 
 def make() -> jax_moe.Communicator:
@@ -49,7 +46,6 @@ def test_work_inside_a_collection_waits_for_the_next_safe_point():
 
     h = Holder()
     h.me = h  # a cycle: only the collector frees it
-    import weakref
     weakref.finalize(h, lambda: deferred.after_programs(lambda: done.append(1)))
     del h
     gc.collect()
@@ -60,17 +56,17 @@ def test_work_inside_a_collection_waits_for_the_next_safe_point():
     assert done == [1, 2]
 
 
-def test_a_collected_communicator_is_freed_at_the_next_safe_point(core, rng):
-    base = core.cpu.live_comms()
+def test_a_collected_communicator_is_freed_at_the_next_safe_point(cpu, rng):
+    base = cpu.live_comms()
     a = make()
     dispatch_once(a, rng)
     cycle: list = [a]
     cycle.append(cycle)
     del a, cycle
     gc.collect()
-    assert deferred.pending() == 1 and core.cpu.live_comms() == base + 1  # queued, not freed inside the collector
+    assert deferred.pending() == 1 and cpu.live_comms() == base + 1  # queued, not freed inside the collector
     b = make()  # a safe point: the collected one's state goes before b's is allocated
-    assert deferred.pending() == 0 and core.cpu.live_comms() == base + 1
+    assert deferred.pending() == 0 and cpu.live_comms() == base + 1
     dispatch_once(b, rng)
     del b
-    assert core.cpu.live_comms() == base  # dropped outside a collection: freed at once
+    assert cpu.live_comms() == base  # dropped outside a collection: freed at once

@@ -16,21 +16,16 @@ from jax.sharding import PartitionSpec as P
 
 import jax_moe
 from jax_moe.nn import MoE
-from support.helpers import mesh_of
+from support.helpers import cpu_module, mesh_of
 
 N, HIDDEN, FFN, E, R = 4, 16, 16, 8, 2
 
 
 @pytest.fixture
 def core():
-    try:
-        jax_moe.backends.load("cpu")
-    except jax_moe.BackendUnavailable as e:
-        pytest.skip(str(e))
-    from jax_moe import _core
-
+    cpu = cpu_module()
     collect()
-    return _core.cpu
+    return cpu
 
 
 def loss(m: MoE, x: jax.Array) -> jax.Array:

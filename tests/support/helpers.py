@@ -19,6 +19,16 @@ CPU_BACKENDS = ["xla", "cpu"]
 BACKENDS = CPU_BACKENDS + [pytest.param("cuda", marks=pytest.mark.gpu)]  # every backend runs the same checks
 
 
+def cpu_module():
+    """jax_moe._core.cpu, or a skip where this build has no backend "cpu"."""
+    try:
+        jax_moe.backends.load("cpu")
+    except jax_moe.BackendUnavailable as e:
+        pytest.skip(str(e))
+    from jax_moe import _core
+    return _core.cpu
+
+
 def mesh_of(n: int, axis: str = "ep", platform: str = "cpu") -> jax.sharding.Mesh:
     """A 1-D mesh of n devices of `platform` (CPU by default, also on machines with GPUs)."""
     devices = jax.devices(platform)
