@@ -11,6 +11,7 @@ native call traced (`run_pending`). Outside a collection (`del comm`) it runs at
 from __future__ import annotations
 
 import gc
+import sys
 from typing import Callable
 
 from jax_moe.backends.ffi_call import wait_for_programs
@@ -29,7 +30,9 @@ gc.callbacks.append(_track)
 
 def after_programs(work: Callable[[], None]) -> None:
     """Runs `work` once the programs dispatched so far have run: now, or, inside a collection, at the next safe
-    point."""
+    point. At interpreter exit: nothing (the native modules' exit hooks free every Communicator's state)."""
+    if sys.is_finalizing():
+        return
     if _collecting:
         _pending.append(work)
         return
