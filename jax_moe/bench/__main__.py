@@ -10,6 +10,7 @@ SUITES = {
     "pump": "jax_moe.bench.pump",
     "model": "jax_moe.bench.model",
     "overlap": "jax_moe.bench.overlap",
+    "ab": "jax_moe.bench.ab",
 }
 
 

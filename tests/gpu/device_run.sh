@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call verifies a commit on the lent GPU machine (docs/cuda.md, "Verification"):
 #   bash tests/gpu/device_run.sh [STAGES] [bench args...]
-# STAGES: comma-separated from build, cpu, gpu, demo, bench, ep1, proxy, overlap, nodes, xoverlap, mb, stagediag, ipc,
-# hmem (default: build,cpu,gpu,demo). hmem comes last: it rebuilds against libfabric 2.6 with CUDA (see below). The
+# STAGES: comma-separated from build, cpu, gpu, demo, bench, ep1, proxy, overlap, nodes, ab, xoverlap, mb, stagediag,
+# ipc, hmem (default: build,cpu,gpu,demo). hmem comes last: it rebuilds against libfabric 2.6 with CUDA (see below). The
 # full build uses the libfabric headers carried in third_party_headers/libfabric (the image has the runtime only). Logs
 # go to $OUT (or ./gpu_out); the last lines printed are "SUMMARY ..." lines, one per stage. NVLink multicast stays off.
 set -o pipefail
@@ -113,6 +113,22 @@ nodes_bench() {  # TAG: the cross-node decode benchmark on one GPU, two processe
 }
 if has nodes; then  # ranks on other nodes (issue 13) with the image's libfabric 1.17 (no CUDA: host memory)
   nodes_bench nodes
+fi
+if has ab; then  # an A/B of settings across nodes in one sitting (bench ab: $AB_VARIANTS, space-separated
+  # NAME:KEY=VALUE[,...], the first the baseline; $AB_ROUNDS rounds in alternating order), two processes under MPS as
+  # two nodes on the first of $NODES_PROVIDERS, areas in $NODES_MEMORY (one), shapes $NODES_SHAPE
+  mps_start
+  ab_memory=${NODES_MEMORY:-auto}
+  ab_eager=CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-LAZY}
+  [ "$ab_memory" = staged ] && ab_eager=CUDA_MODULE_LOADING=EAGER
+  ab_variants=()
+  for v in $AB_VARIANTS; do ab_variants+=(--variant "$v"); done  # none: bench ab says what it needs
+  ab_providers=${NODES_PROVIDERS:-shm}
+  stage ab ${AB_LIMIT_S:-500} env $ab_eager CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_CUDA_TRACE=1 \
+    JAX_MOE_FABRIC_MEMORY=$ab_memory python3 -m jax_moe.bench ab "${ab_variants[@]}" --rounds "${AB_ROUNDS:-3}" \
+    --out "$OUT/ab" -- --backend cuda --shape "${NODES_SHAPE:-decode}" --iters "${NODES_ITERS:-100}" --processes 2 \
+    --ranks-per-node 1 --provider "${ab_providers%% *}"
+  mps_stop
 fi
 if has xoverlap; then  # overlap across nodes (issue 25): two processes under MPS as two nodes, per area memory,
   # $XOVERLAP_REPEAT runs each (the shared machine's rows vary between runs), on the first of $NODES_PROVIDERS
