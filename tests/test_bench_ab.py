@@ -77,10 +77,13 @@ def test_a_row_the_variant_lacks_compares_as_missing_not_as_zero():
     rng = np.random.default_rng()
     runs = {"a": [_doc(rng, {("small", 64, "cpu", "dispatch"): 5.0})],
             "b": [_doc(rng, {("small", 64, "xla", "dispatch"): 1.0})]}
-    (row,) = ab.compare(runs, ["a", "b"])
-    assert row["backend"] == "cpu"
-    assert row["variants"]["b"] == {"p50s": [None], "median": None, "ratio": None, "faster": 0, "pairs": 0}
-    assert " - " in ab.table([row], ["a", "b"])[-1] + " "
+    rows = ab.compare(runs, ["a", "b"])
+    assert [r["backend"] for r in rows] == ["cpu", "xla"]  # the rows of every variant, the baseline's or not
+    cpu, xla = rows
+    assert cpu["variants"]["b"] == {"p50s": [None], "median": None, "ratio": None, "faster": 0, "pairs": 0}
+    assert xla["variants"]["a"]["median"] is None and xla["variants"]["b"]["median"] == 1.0
+    assert xla["variants"]["b"]["ratio"] is None and xla["variants"]["b"]["pairs"] == 0
+    assert " - " in ab.table([cpu], ["a", "b"])[-1] + " "
 
 
 def _bench(args, tmp_path, timeout=300):
@@ -95,6 +98,7 @@ def _bench(args, tmp_path, timeout=300):
     (["--variant", "a:X", "--variant", "b:"], "KEY=VALUE"),
     (["--variant", "a:", "--variant", "b:", "--", "--out", "x"], "--out"),
     (["--variant", "a:", "--variant", "b:", "--rounds", "0"], "at least 1"),
+    (["--variant", "a:", "--variant", "b:", "--timeout", "0"], "above 0"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, args, says):
     p = _bench(args, tmp_path, timeout=60)
@@ -120,7 +124,9 @@ def test_ab_runs_bench_moe_per_variant_and_round_on_cpu(tmp_path):
             v = row["variants"][n]
             assert all(x is not None and x > 0 for x in v["p50s"]) and v["pairs"] == 2
     for n in ("base_0", "base_1", "marked_0", "marked_1"):
-        assert json.loads((out / n / "results.json").read_text())["results"]
+        assert json.loads((out / "runs" / n / "results.json").read_text())["results"]
+    ran = [line.split(":")[0] for line in p.stdout.splitlines() if line.startswith("[ab] round ")]
+    assert ran == ["[ab] round 0, base", "[ab] round 0, marked", "[ab] round 1, marked", "[ab] round 1, base"]
     assert "[ab] round 1, marked: JAX_MOE_BENCH_AB_PROBE=1" in p.stdout
 
 

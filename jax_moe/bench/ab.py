@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import sys
 from typing import Any, Optional
@@ -56,7 +57,7 @@ def _key(rec: dict) -> tuple:
 
 
 def compare(runs: dict[str, list[Optional[dict]]], names: list[str]) -> list[dict[str, Any]]:
-    """Per (shape, tokens, backend, phase) of the baseline's results: each variant's p50 per round (None where its run
+    """Per (shape, tokens, backend, phase) of any variant's results: each variant's p50 per round (None where its run
     failed or lacks the row), their median, that median over the baseline's, and the rounds it beat the baseline."""
     def p50s(name: str) -> dict[tuple, list[Optional[float]]]:
         out: dict[tuple, list[Optional[float]]] = {}
@@ -69,14 +70,16 @@ def compare(runs: dict[str, list[Optional[dict]]], names: list[str]) -> list[dic
 
     table = {n: p50s(n) for n in names}
     base = table[names[0]]
+    keys = {k for t in table.values() for k in t}  # a row the baseline lacks (its run failed) is shown all the same
     rows = []
-    for key in sorted(base, key=lambda k: (k[:3], PHASES.index(k[3]))):
+    for key in sorted(keys, key=lambda k: (k[:3], PHASES.index(k[3]))):
         row: dict[str, Any] = {"shape": key[0], "tokens": key[1], "backend": key[2], "phase": key[3], "variants": {}}
-        base_median = _median(base[key])
+        base_vals = base.get(key, [None] * len(runs[names[0]]))
+        base_median = _median(base_vals)
         for n in names:
             vals = table[n].get(key, [None] * len(runs[n]))
             med = _median(vals)
-            pairs = [(v, b) for v, b in zip(vals, base[key]) if v is not None and b is not None]
+            pairs = [(v, b) for v, b in zip(vals, base_vals) if v is not None and b is not None]
             row["variants"][n] = {
                 "p50s": vals, "median": med,
                 "ratio": None if med is None or not base_median else med / base_median,
@@ -137,21 +140,36 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"variant names must differ: {names}")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    if args.timeout <= 0:
+        p.error("--timeout must be above 0 s")
     if any(a == "--out" or a.startswith("--out=") for a in moe):
         p.error("bench moe's --out is set per run by bench ab: leave it out after --")
     args.variants = dict(variants)
     return args, moe
 
 
+def _write(args: argparse.Namespace, moe: list[str], runs: dict, failures: list[str]) -> list[dict[str, Any]]:
+    """ab.json as it stands (after every run, so that a sitting cut short keeps the rounds it finished)."""
+    names = list(args.variants)
+    rows = compare(runs, names)
+    with open(os.path.join(args.out, "ab.json.tmp"), "w") as f:
+        json.dump({"variants": args.variants, "rounds": args.rounds, "order": schedule(names, args.rounds),
+                   "moe_args": moe, "failures": failures, "rows": rows}, f, indent=1)
+    os.replace(os.path.join(args.out, "ab.json.tmp"), os.path.join(args.out, "ab.json"))
+    return rows
+
+
 def main(argv: list[str]) -> int:
     args, moe = _parse(list(argv))
+    # SIGTERM (a stage's `timeout`) as an exception: run_json then kills the running bench's process group
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     names = list(args.variants)
     os.makedirs(args.out, exist_ok=True)
     runs: dict[str, list[Optional[dict]]] = {n: [None] * args.rounds for n in names}
-    failures = []
+    failures: list[str] = []
     for r, name in schedule(names, args.rounds):
-        out = os.path.join(args.out, f"{name}_{r}")
-        cache = os.path.join(args.out, "floor_cache" if args.share_floors else f"floor_cache_{name}")
+        out = os.path.join(args.out, "runs", f"{name}_{r}")
+        cache = os.path.join(args.out, "floors", "all" if args.share_floors else f"of_{name}")
         cmd = [sys.executable, "-m", "jax_moe.bench", "moe", *moe, "--out", out]
         if not any(a == "--floor-cache" or a.startswith("--floor-cache=") for a in moe):
             cmd += ["--floor-cache", cache]
@@ -159,7 +177,7 @@ def main(argv: list[str]) -> int:
         print(f"[ab] round {r}, {name}: {' '.join(f'{k}={v}' for k, v in args.variants[name].items()) or '(as is)'}",
               flush=True)
         os.makedirs(out, exist_ok=True)
-        log = os.path.join(args.out, f"{name}_{r}.log")
+        log = os.path.join(args.out, "runs", f"{name}_{r}.log")
         try:
             doc = floor.run_json(cmd, os.path.join(out, "results.json"), args.timeout, log, env)
             if not doc.get("results"):  # bench moe exits 0 when every backend failed, and says why in its log
@@ -168,10 +186,7 @@ def main(argv: list[str]) -> int:
         except floor.Unavailable as e:
             failures.append(f"round {r}, {name}: {e}")
             print(f"[ab] {failures[-1]}", file=sys.stderr, flush=True)
-    rows = compare(runs, names)
+        rows = _write(args, moe, runs, failures)
     print("\n".join(table(rows, names)))
-    with open(os.path.join(args.out, "ab.json"), "w") as f:
-        json.dump({"variants": args.variants, "rounds": args.rounds, "order": schedule(names, args.rounds),
-                   "moe_args": moe, "failures": failures, "rows": rows}, f, indent=1)
     print(f"[ab] wrote {args.out}/ab.json" + (f"; {len(failures)} run(s) failed" if failures else ""))
     return 1 if failures else 0

@@ -119,15 +119,18 @@ if has ab; then  # an A/B of settings across nodes in one sitting (bench ab: $AB
   # two nodes on the first of $NODES_PROVIDERS, areas in $NODES_MEMORY (one), shapes $NODES_SHAPE
   mps_start
   ab_memory=${NODES_MEMORY:-auto}
+  ab_memory=${ab_memory%% *}
   ab_eager=CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-LAZY}
   [ "$ab_memory" = staged ] && ab_eager=CUDA_MODULE_LOADING=EAGER
+  read -ra ab_list <<< "${AB_VARIANTS:-}"  # split on blanks, no globbing; none: bench ab says what it needs
   ab_variants=()
-  for v in $AB_VARIANTS; do ab_variants+=(--variant "$v"); done  # none: bench ab says what it needs
+  for v in "${ab_list[@]}"; do ab_variants+=(--variant "$v"); done
   ab_providers=${NODES_PROVIDERS:-shm}
-  stage ab ${AB_LIMIT_S:-500} env $ab_eager CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_CUDA_TRACE=1 \
-    JAX_MOE_FABRIC_MEMORY=$ab_memory python3 -m jax_moe.bench ab "${ab_variants[@]}" --rounds "${AB_ROUNDS:-3}" \
-    --out "$OUT/ab" -- --backend cuda --shape "${NODES_SHAPE:-decode}" --iters "${NODES_ITERS:-100}" --processes 2 \
-    --ranks-per-node 1 --provider "${ab_providers%% *}"
+  # $AB_RUN_S bounds each run of bench moe; $AB_LIMIT_S the stage (a cut-short stage keeps ab.json's finished rounds)
+  stage ab ${AB_LIMIT_S:-560} env "$ab_eager" CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_CUDA_TRACE=1 \
+    "JAX_MOE_FABRIC_MEMORY=$ab_memory" python3 -m jax_moe.bench ab "${ab_variants[@]}" --rounds "${AB_ROUNDS:-3}" \
+    --timeout "${AB_RUN_S:-150}" --out "$OUT/ab" -- --backend cuda --shape "${NODES_SHAPE:-decode}" \
+    --iters "${NODES_ITERS:-100}" --processes 2 --ranks-per-node 1 --provider "${ab_providers%% *}"
   mps_stop
 fi
 if has xoverlap; then  # overlap across nodes (issue 25): two processes under MPS as two nodes, per area memory,
