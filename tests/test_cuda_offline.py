@@ -188,8 +188,8 @@ def test_cuda_peers_from_the_exchange(monkeypatch):
     opened = []
     backend._mod = SimpleNamespace(
         connect=lambda *a: connected.append(a),
-        open_fabric=lambda gid, ordinal, provider, memory, held: (opened.append((memory, held)) or
-                                                                   (b"addr%d" % ordinal, [b"d0", b"d1", b"d2"])),
+        open_fabric=lambda gid, ordinal, provider, memory, held, nodes: (
+            opened.append((memory, held, nodes)) or (b"addr%d" % ordinal, [b"d0", b"d1", b"d2"])),
         connect_fabric=lambda *a: fabric.append(a),
         fabric_info=lambda gid, ordinal: {"staged": staged})
     staged = False
@@ -215,8 +215,9 @@ def test_cuda_peers_from_the_exchange(monkeypatch):
     assert [[spec[:2] for spec in specs] for _, _, specs in connected] == [[(0, 0), (1, 1), (2, 3)],
                                                                            [(0, 1), (1, 0), (2, 3)]]
     assert connected[0][2][2][4] == "process 1 on host there, GPU 0, node 1"
-    # each GPU's fabric opened with the Communicator's fabric_memory; held: the plain handlers (no command buffers)
-    assert opened == [("host", True), ("host", True)]
+    # each GPU's fabric opened with the Communicator's fabric_memory; held: the plain handlers (no command buffers);
+    # every rank's node, so that the areas hold regions for the ranks on other nodes only
+    assert opened == [("host", True, [0, 0, 1]), ("host", True, [0, 0, 1])]
     assert stages[0] == ("fabric", {"10": [b"addr0".hex(), ["6430", "6431", "6432"]],
                                     "11": [b"addr1".hex(), ["6430", "6431", "6432"]]})
     assert stages[1] == ("fabric", None)
@@ -227,12 +228,12 @@ def test_cuda_peers_from_the_exchange(monkeypatch):
     opened.clear()
     backend.options = SimpleNamespace(ranks_per_node=None, fabric_provider="tcp", fabric_memory="auto")
     backend._connect(bootstrap.Peers(["here", "there"], {1: {"12": b"ipc".hex()}}))
-    assert opened == [("auto", False), ("auto", False)] and not backend._auto_staged
+    assert opened == [("auto", False, [0, 0, 1]), ("auto", False, [0, 0, 1])] and not backend._auto_staged
     monkeypatch.delenv("JAX_MOE_CUDA_COMMAND_BUFFERS")
     opened.clear()
     staged = True  # held, and the native side chose staged: a later switch to command buffers is refused (below)
     backend._connect(bootstrap.Peers(["here", "there"], {1: {"12": b"ipc".hex()}}))
-    assert opened == [("auto", True), ("auto", True)] and backend._auto_staged
+    assert opened == [("auto", True, [0, 0, 1]), ("auto", True, [0, 0, 1])] and backend._auto_staged
     # A forced node across two hosts cannot map its GPUs' memory.
     backend.options = SimpleNamespace(ranks_per_node=3, fabric_provider="tcp", fabric_memory="auto")
     with pytest.raises(ValueError, match="cannot map each other's memory"):

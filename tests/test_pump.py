@@ -14,8 +14,8 @@ from support.fabric_mp import AVAILABLE
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "pump_worker.py")
 
 
-def run_ranks(tmp_path, n, provider, rounds, mode, timeout=60.0):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", FI_LOG_LEVEL="warn")
+def run_ranks(tmp_path, n, provider, rounds, mode, timeout=60.0, nodes=()):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", FI_LOG_LEVEL="warn", PUMP_NODES=",".join(map(str, nodes)))
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(WORKER), env.get("PYTHONPATH", "")])
     procs = [subprocess.Popen([sys.executable, WORKER, str(tmp_path), str(r), str(n), provider, str(rounds), mode],
                               stdout=open(tmp_path / f"log.{r}", "w"), stderr=subprocess.STDOUT, env=env)
@@ -43,6 +43,21 @@ def test_every_round_arrives_intact_through_the_pump(tmp_path, provider):
     results = run_ranks(tmp_path, 3, provider, rounds=12, mode="ok")  # 12 rounds over 3 lanes: credits cycle
     for r, res in results.items():
         assert res == {"rank": r, "rounds": 12, "error": "", "bad_regions": []}
+
+
+@pytest.mark.parametrize("mode", ["ok", "slow"])
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+def test_buffers_of_other_nodes_ranks_only(tmp_path, provider, mode):
+    """A GPU's areas hold regions for the ranks on other nodes only (proxy::RegionSlots::OtherNodes). Nodes of
+    unequal size: ranks 0 and 1 share a node and exchange nothing through the pump; rank 2's and 3's buffers hold three
+    regions a lane, 0's and 1's two, so a sender's region sits at another slot in each receiver (rank 3's at slot 2 in
+    rank 2's buffer, at slot 1 in rank 0's). Every round of every pair still arrives intact where its receiver reads
+    it."""
+    if provider not in AVAILABLE:
+        pytest.skip(f"libfabric provider {provider} not built in")
+    results = run_ranks(tmp_path, 4, provider, rounds=9, mode=mode, nodes=(0, 0, 1, 2))
+    for r, res in results.items():
+        assert res == {"rank": r, "rounds": 9, "error": "", "bad_regions": [], "slots": 2 if r < 2 else 3}, res
 
 
 @pytest.mark.parametrize("provider", ["tcp", "shm"])

@@ -152,7 +152,8 @@ class CudaBackend(NativeBackend):
 
     def _connect(self, peers: bootstrap.Peers) -> None:
         me, host = jax.process_index(), socket.gethostname()
-        fabric: list[tuple[bootstrap.RankEntry, list[bootstrap.RankEntry]]] = []  # local devices, their remote ranks
+        # local devices, their remote ranks, every rank's node
+        fabric: list[tuple[bootstrap.RankEntry, list[bootstrap.RankEntry], list[int]]] = []
         any_remote = False
         for group in self.table.groups():
             nodes = bootstrap.nodes(group, peers.hosts, self.options.ranks_per_node)
@@ -183,22 +184,23 @@ class CudaBackend(NativeBackend):
                         specs.append((q, _PEER_IPC, -1, ipc, where))
                 self._mod.connect(self.native_id, d.local_id, specs)
                 if remote:
-                    fabric.append((d, remote))
+                    fabric.append((d, remote, nodes))
         if any_remote:  # every process takes part, with or without remote ranks of its own
             self._connect_fabric(fabric)
 
-    def _connect_fabric(self, fabric: list[tuple[bootstrap.RankEntry, list[bootstrap.RankEntry]]]) -> None:
+    def _connect_fabric(self, fabric: list[tuple[bootstrap.RankEntry, list[bootstrap.RankEntry], list[int]]]) -> None:
         """Opens the engine, areas and proxy of each local device with remote ranks, exchanges their endpoints and
-        connects them."""
+        connects them. Each area holds regions for the ranks on other nodes only: the nodes say which, and where a
+        sender's region is in each receiver's area."""
         mine: dict[str, Any] = {}
         held = not command_buffers()  # the plain handlers will launch the rounds: "auto" may stage (docs/cuda.md)
-        for d, _ in fabric:
+        for d, _, nodes in fabric:
             address, areas = self._mod.open_fabric(self.native_id, d.local_id, self.options.fabric_provider,
-                                                   self.options.fabric_memory, held)
+                                                   self.options.fabric_memory, held, nodes)
             mine[str(d.device_id)] = [address.hex(), [a.hex() for a in areas]]
         records = dict(bootstrap.exchange(self.options, self.table, lambda: mine, stage="fabric").records)
         records[jax.process_index()] = mine
-        for d, remote in fabric:
+        for d, remote, _ in fabric:
             endpoints = []
             for p in remote:
                 address, areas = records[p.process][str(p.device_id)]

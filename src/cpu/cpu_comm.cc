@@ -108,6 +108,7 @@ CpuComm::CpuComm(const CommOptions& options, const std::vector<RankInfo>& table,
       config.comm_id = options_.comm_id;
       config.rank = rank->info.rank;
       config.lanes = d.inbox->lanes;
+      config.slots = proxy::RegionSlots::EveryRank(n);  // same-process senders deliver into the inbox too
       config.header_bytes = d.header_bytes;
       config.row_bytes = d.row_bytes;
       auto allocate = [](uint64_t bytes) {

@@ -20,7 +20,7 @@ struct Inbox {
   uint8_t* Region(uint64_t round, int64_t sender) const { return recv.data() + lanes.Offset(round, sender); }
 
   proxy::Lanes lanes;
-  HostBuffer recv;                                    // [K lanes][N senders] regions
+  HostBuffer recv;                                    // [K lanes][N senders] regions (RegionSlots::EveryRank)
   std::unique_ptr<std::atomic<uint64_t>[]> arrived;   // [K][N]: last round a same-process sender delivered
   std::unique_ptr<std::atomic<uint64_t>[]> released;  // [K]: rounds of each lane this rank finished reading
 };

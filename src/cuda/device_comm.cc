@@ -195,10 +195,18 @@ void ConnectComm(int64_t id, int ordinal, const std::vector<PeerSpec>& peers) {
 }
 
 std::pair<std::string, std::vector<std::string>> OpenFabric(int64_t id, int ordinal, const std::string& provider,
-                                                             AreaMemory memory, bool held) {
+                                                             const std::vector<int32_t>& nodes, AreaMemory memory,
+                                                             bool held) {
   auto dev = MustFind(id, ordinal);
   Require(!dev->fabric, "jax_moe cuda: the fabric of a device is opened once");
   Require(!dev->remote.empty(), "jax_moe cuda: connect the device before opening its fabric");
+  const int rank = dev->args.rank;
+  Require(nodes.size() == dev->remote.size(), "jax_moe cuda: open_fabric needs one node per rank");
+  for (size_t p = 0; p < nodes.size(); ++p) {
+    Require((nodes[p] != nodes[rank]) == dev->remote[p],
+            "jax_moe cuda: the nodes given to open_fabric disagree with the peers connected (rank " +
+                std::to_string(p) + ")");
+  }
   // The remote ranks' index keeps 32 bits per local expert and warp in shared memory (kernels/fabric.cu).
   int smem = 0;
   Check(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, ordinal), "cudaDeviceGetAttribute");
@@ -210,8 +218,8 @@ std::pair<std::string, std::vector<std::string>> OpenFabric(int64_t id, int ordi
                                            std::to_string(smem) + " bytes of shared memory): use more ranks");
   }
   DeviceScope scope(ordinal);
-  dev->fabric = std::make_unique<DeviceFabric>(dev->args.s, dev->args.rank, static_cast<uint32_t>(id), dev->remote,
-                                               ordinal, provider, dev->timeout_s, memory, held);
+  dev->fabric = std::make_unique<DeviceFabric>(dev->args.s, rank, static_cast<uint32_t>(id), nodes, ordinal, provider,
+                                               dev->timeout_s, memory, held);
   return {dev->fabric->Address(), dev->fabric->Descriptors()};
 }
 

@@ -75,8 +75,11 @@ void DestroyComm(int64_t id);
 void DestroyAllComms();
 // For a device with remote ranks (after ConnectComm): its engine, areas and pump on `provider`. Returns the engine's
 // address and the receive areas' descriptors, for the remote ranks' processes. held: the device's sends go through
-// the plain handlers, which hold the host back (cuda/run_ahead.h); "auto" stages through HBM only then.
+// the plain handlers, which hold the host back (cuda/run_ahead.h); "auto" stages through HBM only then. nodes: every
+// rank's node, the same on every rank (the areas hold regions for other nodes' ranks only, and a sender finds its
+// region in a receiver's area from them); the ranks remote to this device must be those ConnectComm was told of.
 std::pair<std::string, std::vector<std::string>> OpenFabric(int64_t id, int ordinal, const std::string& provider,
+                                                             const std::vector<int32_t>& nodes,
                                                              AreaMemory memory = AreaMemory::kAuto, bool held = false);
 // Connects the device to its remote ranks and starts its pump; then the device may launch.
 void ConnectFabric(int64_t id, int ordinal, const std::vector<RemoteEndpoint>& peers);

@@ -76,12 +76,14 @@ AreaMemory ParseAreaMemory(const std::string& name) {
         "jax_moe cuda: fabric_memory must be \"auto\", \"device\", \"host\" or \"staged\", got \"" + name + "\"");
 }
 
-DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, const std::vector<bool>& remote,
+DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, const std::vector<int32_t>& nodes,
                            int ordinal, const std::string& provider, double timeout_s, AreaMemory memory, bool held)
-    : shape_(shape), rank_(rank), timeout_s_(timeout_s), remote_(remote), ordinal_(ordinal), provider_(provider),
-      id_(comm_id & kIdMask) {
+    : shape_(shape), rank_(rank), timeout_s_(timeout_s), slots_(proxy::RegionSlots::OtherNodes(nodes)),
+      ordinal_(ordinal), provider_(provider), id_(comm_id & kIdMask) {
   const int64_t n = shape.num_ranks;
-  Require(int64_t(remote.size()) == n && !remote[rank], "DeviceFabric: one entry per rank, not this one");
+  Require(int64_t(nodes.size()) == n && rank >= 0 && rank < n, "DeviceFabric: one node per rank");
+  remote_.resize(n);
+  for (int64_t p = 0; p < n; ++p) remote_[p] = nodes[p] != nodes[rank];
   Require(n <= proxy::kMaxRanks, "DeviceFabric: too many ranks for the immediates");
   {
     std::lock_guard<std::mutex> lock(LiveMu());
@@ -198,7 +200,7 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory, bool held) {
     Stream& st = streams_[i];
     st.region = i == 0 ? FabricDispatchRegion(shape_) : FabricCombineRegion(shape_, i - 1);
     st.comm_id = id | (i == 2 ? 0x4000u : 0u);
-    const proxy::Lanes lanes{n, kFabricLanes, st.region};
+    const proxy::Lanes lanes = LanesOf(st.region);  // regions for the ranks on other nodes only
     st.words = std::make_unique<PinnedBuffer>(sizeof(uint64_t) * (proxy::kBellWords + kFabricLanes * n), numa_node_);
     std::tie(st.send, st.send_mr) = NewArea(lanes.buffer_bytes(), staged);
     std::tie(st.recv, st.recv_mr) = NewArea(lanes.buffer_bytes(), staged);
@@ -209,6 +211,7 @@ void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory, bool held) {
     config.comm_id = st.comm_id;
     config.rank = rank;
     config.lanes = lanes;
+    config.slots = slots_;
     st.channel = std::make_unique<proxy::Channel>(
         config, remote_, engine_, &here_,
         [](uint64_t) -> proxy::Block { Throw(ErrorCode::kInternal, "DeviceFabric: the device packs its regions"); },
@@ -305,8 +308,11 @@ void DeviceFabric::Connect(const std::vector<RemoteEndpoint>& peers, std::functi
     ids.push_back(engine_->Connect(e->address, timeout_s_));
     for (int i = 0; i < kFabricStreams; ++i) {
       regions[i].push_back(fabric::RegionDescriptor::Parse(e->receive[i]));
-      Require(regions[i].back().size == streams_[i].recv.bytes,
-              "DeviceFabric: rank " + std::to_string(p) + " registered areas of another size (configs differ?)");
+      // Its lanes hold a region per rank not on its node: as many as ours only where the nodes are of one size.
+      const uint64_t want = uint64_t(kFabricLanes * slots_.Slots(p)) * streams_[i].region;
+      Require(regions[i].back().size == want, "DeviceFabric: rank " + std::to_string(p) + " registered areas of " +
+                                                  std::to_string(regions[i].back().size) + " bytes where " +
+                                                  std::to_string(want) + " were expected (configs or nodes differ?)");
     }
   }
   std::vector<proxy::Pump::Link> links;
@@ -367,13 +373,13 @@ void DeviceFabric::Connect(const std::vector<RemoteEndpoint>& peers, std::functi
 bool DeviceFabric::StageSend(size_t link, uint64_t round) {
   const Stream& st = streams_[link];
   return stage_->Ready(int(2 * link), round, /*to_device=*/false, [&] {
-    const proxy::Lanes lanes{shape_.num_ranks, kFabricLanes, st.region};
+    const proxy::Lanes lanes = LanesOf(st.region);
     const uint64_t* bytes =
         reinterpret_cast<const uint64_t*>(st.words->host()) + proxy::kBellWords + lanes.Lane(round) * shape_.num_ranks;
     std::vector<StageCopies::Copy> copies;
     for (int p = 0; p < shape_.num_ranks; ++p) {
       if (!remote_[p]) continue;
-      const uint64_t at = lanes.Offset(round, p), n = __atomic_load_n(bytes + p, __ATOMIC_ACQUIRE);
+      const uint64_t at = lanes.Offset(round, slots_.Slot(rank_, p)), n = __atomic_load_n(bytes + p, __ATOMIC_ACQUIRE);
       copies.push_back({st.send.pinned->host() + at, st.send.mirror->data() + at, size_t(n < st.region ? n : st.region)});
     }
     return copies;
@@ -385,11 +391,11 @@ bool DeviceFabric::StageSend(size_t link, uint64_t round) {
 bool DeviceFabric::StageArrival(size_t link, uint64_t round) {
   const Stream& st = streams_[link];
   return stage_->Ready(int(2 * link + 1), round, /*to_device=*/true, [&] {
-    const proxy::Lanes lanes{shape_.num_ranks, kFabricLanes, st.region};
+    const proxy::Lanes lanes = LanesOf(st.region);
     std::vector<StageCopies::Copy> copies;
     for (int q = 0; q < shape_.num_ranks; ++q) {
       if (!remote_[q]) continue;
-      const uint64_t at = lanes.Offset(round, q);
+      const uint64_t at = lanes.Offset(round, slots_.Slot(rank_, q));
       copies.push_back({st.recv.mirror->data() + at, st.recv.pinned->host() + at,
                         size_t(ArrivedBytes(link, st.recv.pinned->host() + at))});
     }
@@ -415,11 +421,11 @@ uint64_t DeviceFabric::ArrivedBytes(size_t link, const uint8_t* region) const {
 // and logs every one that is not that round's from the expected rank: where GPU memory on the wire goes wrong.
 void DeviceFabric::Inspect(size_t link, uint64_t round, bool received) const {
   const Stream& st = streams_[link];
-  const proxy::Lanes lanes{shape_.num_ranks, kFabricLanes, st.region};
+  const proxy::Lanes lanes = LanesOf(st.region);
   const Area& area = received ? st.recv : st.send;
   for (int p = 0; p < shape_.num_ranks; ++p) {
     if (!remote_[p]) continue;
-    const uint64_t at = lanes.Offset(round, p);  // p's region in either area: the one we send it, or it sent us
+    const uint64_t at = lanes.Offset(round, slots_.Slot(rank_, p));  // p's region in either area: ours to it, or its
     proxy::RegionHeader h{};
     if (area.hbm) {
       area.hbm->Download(at, &h, sizeof(h));

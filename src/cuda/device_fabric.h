@@ -55,11 +55,12 @@ struct RemoteEndpoint {
 
 class DeviceFabric {
  public:
-  // remote[p]: rank p is on another node. comm_id: the Communicator's id (its low 14 bits tag the immediates; no two
-  // live fabrics of a process may share them). ordinal: the GPU (its engine is shared with the GPU's other fabrics).
-  // held: the host is held back from running far ahead of this fabric's rounds (the plain handlers; not the
-  // command-buffer ones), which "auto" needs before it stages through HBM.
-  DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, const std::vector<bool>& remote, int ordinal,
+  // nodes[p]: the node of rank p (rank p is remote where it is not ours); the areas hold regions for the ranks on
+  // other nodes only (proxy::RegionSlots::OtherNodes). comm_id: the Communicator's id (its low 14 bits tag the
+  // immediates; no two live fabrics of a process may share them). ordinal: the GPU (its engine is shared with the
+  // GPU's other fabrics). held: the host is held back from running far ahead of this fabric's rounds (the plain
+  // handlers; not the command-buffer ones), which "auto" needs before it stages through HBM.
+  DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, const std::vector<int32_t>& nodes, int ordinal,
                const std::string& provider, double timeout_s, AreaMemory memory = AreaMemory::kAuto,
                bool held = false);
   // Drains (bounded), stops the pump, waits for its own writes (bounded), gives the engine its peer sets and banked
@@ -89,6 +90,8 @@ class DeviceFabric {
   std::string Error() const;
   ErrorCode ErrorCodeOf() const { return pump_ ? pump_->error_code() : ErrorCode::kInternal; }
   uint64_t BytesAllocated() const;
+  // Regions a lane of our areas holds: one per rank on another node.
+  int64_t regions_per_lane() const { return slots_.Slots(rank_); }
   // Where the areas live and how the engine registered them ("gpu, cuda (dmabuf)", "host, ..."), and, when GPU
   // memory was wanted and not used, why.
   bool on_gpu() const { return on_gpu_; }
@@ -119,8 +122,10 @@ class DeviceFabric {
   bool StageSend(size_t link, uint64_t round);
   bool StageArrival(size_t link, uint64_t round);
   uint64_t ArrivedBytes(size_t link, const uint8_t* region) const;  // what a received region's header says it holds
+  // Our areas' lanes for regions of `region` bytes: a region per rank on another node (slots_).
+  proxy::Lanes LanesOf(uint64_t region) const { return {slots_.Slots(rank_), kFabricLanes, region}; }
   struct Stream {
-    std::unique_ptr<PinnedBuffer> words;  // bell (kBellWords), then bytes [kFabricLanes][N]
+    std::unique_ptr<PinnedBuffer> words;  // bell (kBellWords), then bytes [kFabricLanes][N] (by rank)
     Area send, recv;
     std::shared_ptr<fabric::MemoryRegion> send_mr, recv_mr;
     std::unique_ptr<proxy::Channel> channel;
@@ -131,6 +136,7 @@ class DeviceFabric {
   int rank_;
   double timeout_s_;
   std::vector<bool> remote_;
+  proxy::RegionSlots slots_;  // whose region is where in every rank's areas
   int ordinal_;
   std::string provider_;
   int proxy_cpu_ = -1;

@@ -178,7 +178,8 @@ JAX_MOE_HD inline int64_t RouteLength(const MoeShape& s) { return RouteWeightsOf
 
 // --- ranks on other nodes: regions the host proxy moves (src/proxy/pump.h) ------------------------------------------
 // Per round stream (dispatch, combine channel 0, 1) a device owns a send area and a receive area in pinned host
-// memory mapped into the GPU, [kFabricLanes][N] regions of one sender each (proxy::Lanes), and the pump's bell and
+// memory mapped into the GPU, [kFabricLanes][num_remote] regions, one per rank on another node in rank order
+// (proxy::Lanes, proxy::RegionSlots::OtherNodes: same-node ranks go over NVLink and get none), and the pump's bell and
 // byte words. A region starts with a proxy::RegionHeader (dispatch: + the per-local-expert counts), then
 //   dispatch: int32 list[C] (entries in (local expert, token) order, each slot * R + k), then the token records, slot
 //             after slot (each token once per destination rank, in token order; records as over NVLink, RecordBytes:
@@ -218,8 +219,8 @@ JAX_MOE_HD inline uint64_t FabricCombineRegion(const MoeShape& s, int channel) {
 JAX_MOE_HD inline int64_t ClampTokens(const MoeShape& s, int64_t v) { return v < 0 ? 0 : (v > s.max_tokens ? s.max_tokens : v); }
 
 struct FabricArgs {
-  uint8_t* send = nullptr;               // our regions, of rank p at (lane * N + p) * region
-  const uint8_t* recv = nullptr;         // the remote senders' regions, of rank q at (lane * N + q) * region
+  uint8_t* send = nullptr;               // our regions, rank p's at (lane * num_remote + RemoteSlot(p)) * region
+  const uint8_t* recv = nullptr;         // the remote senders' regions, rank q's at the same place for q
   unsigned long long* bell = nullptr;    // proxy::BellWord words (the device writes kRung and kRead)
   unsigned long long* bytes = nullptr;   // [kFabricLanes][N]: bytes of our region for rank p
   unsigned long long region = 0;         // bytes of one region

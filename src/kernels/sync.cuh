@@ -137,12 +137,19 @@ __device__ __forceinline__ int FirstRemote(const KernelArgs& a) {
   return 0;
 }
 
+// A remote rank's region in our areas: [kFabricLanes][num_remote] regions, one per rank on another node in rank order
+// (proxy::RegionSlots::OtherNodes), so its slot is the count of remote ranks before it.
+__device__ __forceinline__ int RemoteSlot(const KernelArgs& a, int p) {
+  int slot = __popc(a.remote[p >> 5] & ((1u << (p & 31)) - 1u));
+  for (int w = 0; w < (p >> 5); ++w) slot += __popc(a.remote[w]);
+  return slot;
+}
 __device__ __forceinline__ uint8_t* SendRegion(const FabricArgs& f, const KernelArgs& a, unsigned long long epoch, int p) {
-  return f.send + ((epoch % kFabricLanes) * a.s.num_ranks + p) * f.region;
+  return f.send + ((epoch % kFabricLanes) * a.num_remote + RemoteSlot(a, p)) * f.region;
 }
 __device__ __forceinline__ const uint8_t* RecvRegion(const FabricArgs& f, const KernelArgs& a, unsigned long long epoch,
                                                      int q) {
-  return f.recv + ((epoch % kFabricLanes) * a.s.num_ranks + q) * f.region;
+  return f.recv + ((epoch % kFabricLanes) * a.num_remote + RemoteSlot(a, q)) * f.region;
 }
 
 // A received region's header is the round's, from `sender`, with at most `max_rows` rows; else its data is dropped and

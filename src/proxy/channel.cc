@@ -18,14 +18,21 @@ Channel::Channel(const ChannelConfig& config, const std::vector<bool>& remote,
       local_(local),
       mu_(mu),
       cv_(cv),
-      staging_(config.lanes.num_ranks * config.lanes.region_bytes, std::move(allocate)) {
-  const int64_t n = lanes().num_ranks, k = lanes().count;
-  JAX_MOE_REQUIRE(int64_t(remote.size()) == n, "Channel: one entry per rank");
+      staging_(int64_t(remote.size()) * config.lanes.region_bytes, std::move(allocate)) {
+  const int64_t n = int64_t(remote.size()), k = lanes().count;
+  const RegionSlots& slots = config.slots;
+  JAX_MOE_REQUIRE(slots.num_ranks() == n && slots.Slots(config.rank) == lanes().slots,
+                  "Channel: one entry per rank, and lanes of as many regions as the rank's slots");
   remote_index_.assign(n, -1);
   for (int64_t p = 0; p < n; ++p) {
     if (!remote[p]) continue;
+    JAX_MOE_REQUIRE(slots.Slot(config.rank, p) >= 0 && slots.Slot(p, config.rank) >= 0,
+                    "Channel: a remote rank without a region in our buffers, or we without one in its");
     remote_index_[p] = int64_t(remote_ranks_.size());
     remote_ranks_.push_back(int32_t(p));
+    own_slot_.push_back(slots.Slot(config.rank, p));
+    slot_at_peer_.push_back(slots.Slot(p, config.rank));
+    peer_slots_.push_back(slots.Slots(p));
   }
   JAX_MOE_REQUIRE(remote_ranks_.empty() || engine_, "Channel: ranks in other processes need a TransferEngine");
   JAX_MOE_REQUIRE(remote_ranks_.size() == size_t(n) || local_, "Channel: ranks of this process need the device side");
@@ -78,7 +85,7 @@ bool Channel::CreditOk(int64_t peer, uint64_t round) {
 }
 
 void Channel::Send(uint64_t round, const std::vector<int32_t>& rows, const Fill& fill) {
-  const int64_t n = lanes().num_ranks;
+  const int64_t n = num_ranks();
   std::vector<char> now(n);
   std::vector<uint8_t*> regions(n);
   Staging* st = nullptr;
@@ -92,7 +99,7 @@ void Channel::Send(uint64_t round, const std::vector<int32_t>& rows, const Fill&
     if (staged) st = staging_.Acquire(engine_.get());
     for (int64_t p = 0; p < n; ++p) {
       const bool in_place = now[p] && remote_index_[p] < 0;
-      regions[p] = in_place ? local_->Region(p, round) : st->mem.data + p * lanes().region_bytes;
+      regions[p] = in_place ? local_->Region(p, round) : st->mem.data + p * lanes().region_bytes;  // staging: by rank
     }
     if (st) st->queued += 1;  // keeps it ours while we fill it outside the lock
   }
@@ -124,9 +131,9 @@ void Channel::Send(uint64_t round, const std::vector<int32_t>& rows, const Fill&
 void Channel::Post(uint64_t round, const fabric::MemoryRegion& src, const std::vector<uint64_t>& src_offsets,
                    const std::vector<int32_t>& ranks, const std::vector<uint64_t>& bytes) {
   const uint32_t imm = Imm(config_.data_kind, round, uint32_t(config_.rank));
-  const uint64_t dst = lanes().Offset(round, config_.rank);
   if (ranks.size() == remote_ranks_.size()) {  // the common case: one scatter from the peer set's prebuilt templates
-    std::vector<uint64_t> dsts(ranks.size(), dst);
+    std::vector<uint64_t> dsts(ranks.size());
+    for (size_t i = 0; i < ranks.size(); ++i) dsts[i] = PeerOffset(round, size_t(remote_index_[ranks[i]]));
     try {
       engine_->Scatter(peer_set_, src, src_offsets.data(), bytes.data(), dsts.data(), ranks.size(), imm);
       return;
@@ -140,7 +147,8 @@ void Channel::Post(uint64_t round, const fabric::MemoryRegion& src, const std::v
   for (size_t j = 0; j < ranks.size(); ++j) {
     const int64_t i = remote_index_[ranks[j]];
     try {
-      engine_->Write(remote_peers_[i], src, src_offsets[j], bytes[j], remote_regions_[i], dst, imm, peer_set_);
+      engine_->Write(remote_peers_[i], src, src_offsets[j], bytes[j], remote_regions_[i], PeerOffset(round, size_t(i)),
+                     imm, peer_set_);
     } catch (const Error& e) {
       failed.push_back(ranks[j]);
       why = e.what();
@@ -165,14 +173,15 @@ bool Channel::PostArea(uint64_t round, const fabric::MemoryRegion& area, const u
   if (!CanPost(round)) return false;
   if (remote_ranks_.empty()) return true;
   std::vector<uint64_t> offsets, lengths;
-  for (int32_t p : remote_ranks_) {
+  for (size_t i = 0; i < remote_ranks_.size(); ++i) {
+    const int32_t p = remote_ranks_[i];
     // Read once: the device may rewrite the word, and the length checked must be the length posted.
     const uint64_t b = __atomic_load_n(bytes + p, __ATOMIC_RELAXED);
     if (b > lanes().region_bytes) {
       Throw(ErrorCode::kInvalidArgument, std::string(config_.name) + ": the device announced a region of " +
                                              std::to_string(b) + " bytes, more than a region holds");
     }
-    offsets.push_back(lanes().Offset(round, p));
+    offsets.push_back(lanes().Offset(round, own_slot_[i]));
     lengths.push_back(b);
   }
   Post(round, area, offsets, remote_ranks_, lengths);
@@ -180,7 +189,7 @@ bool Channel::PostArea(uint64_t round, const fabric::MemoryRegion& area, const u
 }
 
 void Channel::Flush() {
-  const int64_t n = lanes().num_ranks;
+  const int64_t n = num_ranks();
   for (int64_t p = 0; p < n; ++p) {
     auto& queue = queue_[p];
     while (!queue.empty() && CreditOk(p, queue.front().round)) {
@@ -192,8 +201,8 @@ void Channel::Flush() {
         const int64_t i = remote_index_[p];
         out.staging->remote_pending = true;
         engine_->Write(remote_peers_[i], *out.staging->mr, p * lanes().region_bytes, out.bytes, remote_regions_[i],
-                       lanes().Offset(out.round, config_.rank),
-                       Imm(config_.data_kind, out.round, uint32_t(config_.rank)), peer_set_);
+                       PeerOffset(out.round, size_t(i)), Imm(config_.data_kind, out.round, uint32_t(config_.rank)),
+                       peer_set_);
       }
       out.staging->queued -= 1;
       queue.pop_front();
@@ -210,7 +219,7 @@ bool Channel::HasQueued() const {
 }
 
 bool Channel::Arrived(uint64_t round, std::vector<int32_t>* missing) {
-  const int64_t n = lanes().num_ranks, lane = lanes().Lane(round);
+  const int64_t n = num_ranks(), lane = lanes().Lane(round);
   Cursor& c = arrived_cursor_;
   if (c.round != round) c = {round, 0};
   bool all = true;
@@ -241,7 +250,7 @@ void Channel::Release(uint64_t round) {
 }
 
 bool Channel::Drained() {
-  const int64_t n = lanes().num_ranks;
+  const int64_t n = num_ranks();
   for (int64_t p = 0; p < n; ++p) {
     if (!queue_[p].empty()) return false;
     if (remote_index_[p] < 0) continue;

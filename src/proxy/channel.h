@@ -34,7 +34,8 @@ struct ChannelConfig {
   ImmKind data_kind{}, credit_kind{};
   uint32_t comm_id = 0;
   int32_t rank = 0;  // this rank
-  Lanes lanes;
+  Lanes lanes;        // of this rank's buffers (lanes.slots == slots.Slots(rank))
+  RegionSlots slots = RegionSlots::EveryRank(1);  // whose region is where, in every rank's buffers
   uint64_t header_bytes = 0;  // a region's header, then rows of row_bytes
   uint64_t row_bytes = 0;
 };
@@ -69,6 +70,7 @@ class Channel {
 
   const ChannelConfig& config() const { return config_; }
   const Lanes& lanes() const { return config_.lanes; }
+  int64_t num_ranks() const { return int64_t(remote_index_.size()); }
   // Ranks of other processes, in the order their endpoints are given to Connect.
   const std::vector<int32_t>& remote_ranks() const { return remote_ranks_; }
   fabric::TransferEngine* engine() const { return engine_.get(); }
@@ -90,9 +92,10 @@ class Channel {
   // is given, without the lock: in place in a same-process receiver when it has credit, else in staging.
   using Fill = std::function<void(const std::vector<uint8_t*>& regions)>;
   void Send(uint64_t round, const std::vector<int32_t>& rows, const Fill& fill);
-  // Posts `round` from a send area the device filled ([K lanes][N ranks] regions in the Lanes layout; bytes[p] of
-  // rank p's region) to the remote ranks: false, posting nothing, while one of them has not given credit for it. For
-  // a device that packs its own regions (a GPU through the Pump). Under the lock.
+  // Posts `round` from a send area the device filled (laid out as our receive buffer: [K lanes][S slots] regions,
+  // rank p's in slot config().slots.Slot(rank, p); bytes[p] of rank p's region) to the remote ranks: false, posting
+  // nothing, while one of them has not given credit for it. For a device that packs its own regions (a GPU through
+  // the Pump). Under the lock.
   bool PostArea(uint64_t round, const fabric::MemoryRegion& area, const uint64_t* bytes);
   // Every remote receiver gave credit for `round`'s lane: PostArea would post it now.
   bool CanPost(uint64_t round);
@@ -134,6 +137,13 @@ class Channel {
   std::condition_variable& cv_;
   std::vector<int32_t> remote_ranks_;  // ranks of other processes
   std::vector<int64_t> remote_index_;  // [N]: position in remote_ranks_, or -1 for a same-process rank
+  // Per remote rank (remote_ranks_ order): its region in our send area (PostArea), and where ours is in its receive
+  // buffer, whose lanes hold `peer_slots` regions (RegionSlots: a receiver on a smaller node holds more).
+  std::vector<int64_t> own_slot_, slot_at_peer_, peer_slots_;
+  // Byte offset of our region of `round` in the receive buffer of remote_ranks_[i].
+  uint64_t PeerOffset(uint64_t round, size_t i) const {
+    return uint64_t(lanes().Lane(round) * peer_slots_[i] + slot_at_peer_[i]) * lanes().region_bytes;
+  }
   std::vector<fabric::PeerId> remote_peers_;
   std::vector<fabric::RegionDescriptor> remote_regions_;  // receive buffers of the remote ranks
   fabric::PeerSetId peer_set_ = 0;

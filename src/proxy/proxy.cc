@@ -64,7 +64,7 @@ void Proxy::Guard(const std::function<void()>& fn) {
 void Proxy::WaitRound(Channel& ch, uint64_t round, const std::function<std::string(int64_t)>& name,
                       const std::function<std::string(int64_t)>& sender_failure) {
   const Deadline deadline = Deadline::After(timeout_s_);
-  const int64_t n = ch.lanes().num_ranks;
+  const int64_t n = ch.num_ranks();
   // Remote arrivals are polled (immediates are counted, not signalled); same-process ones wake us through cv_.
   const auto nap = ch.remote_ranks().empty() ? std::chrono::microseconds(20000) : std::chrono::microseconds(100);
   std::unique_lock<std::mutex> lock(mu_);

@@ -110,7 +110,7 @@ bool Pump::Step(Link& link, State& st) {
   if (rung > 0 && rung <= kTraceRounds && trace[rung - 1][0] == 0) trace[rung - 1][0] = NowNs();
   // The hook runs as soon as the device rang (its copy overlaps the wait for credits); PostArea checks the credits.
   while (st.posted < rung && (!hooks_.before_post || hooks_.before_post(index, st.posted + 1)) &&
-         ch.PostArea(st.posted + 1, *link.area, link.bytes + lanes.Lane(st.posted + 1) * lanes.num_ranks)) {
+         ch.PostArea(st.posted + 1, *link.area, link.bytes + lanes.Lane(st.posted + 1) * ch.num_ranks())) {
     ++st.posted;
     if (st.posted <= kTraceRounds) trace[st.posted - 1][1] = NowNs();
     ch.NextSendRound();

@@ -126,20 +126,23 @@ void RegisterCuda(nb::module_& m) {
       "rank order.");
   cuda.def(
       "open_fabric",
-      [](int64_t id, int ordinal, const std::string& provider, const std::string& memory, bool held) {
+      [](int64_t id, int ordinal, const std::string& provider, const std::string& memory, bool held,
+         const std::vector<int32_t>& nodes) {
         std::pair<std::string, std::vector<std::string>> opened;
         {
           nb::gil_scoped_release release;  // registers the areas, starts the engine
-          opened = jax_moe::cuda::OpenFabric(id, ordinal, provider, jax_moe::cuda::ParseAreaMemory(memory), held);
+          opened =
+              jax_moe::cuda::OpenFabric(id, ordinal, provider, nodes, jax_moe::cuda::ParseAreaMemory(memory), held);
         }
         std::vector<nb::bytes> areas;
         for (const std::string& d : opened.second) areas.emplace_back(d.data(), d.size());
         return std::make_tuple(nb::bytes(opened.first.data(), opened.first.size()), areas);
       },
-      "id"_a, "ordinal"_a, "provider"_a, "memory"_a, "held"_a,
+      "id"_a, "ordinal"_a, "provider"_a, "memory"_a, "held"_a, "nodes"_a,
       "For a device with ranks on other nodes: its engine, areas (memory: \"auto\", \"device\", \"host\", "
-      "\"staged\"; held: the plain handlers, which hold the host back, will launch its rounds, so \"auto\" may stage) "
-      "and host proxy. Returns (engine address, [receive area descriptor per stream]).");
+      "\"staged\"; held: the plain handlers, which hold the host back, will launch its rounds, so \"auto\" may stage; "
+      "nodes: every rank's node, the areas holding regions for other nodes' ranks only) and host proxy. Returns "
+      "(engine address, [receive area descriptor per stream]).");
   cuda.def(
       "connect_fabric",
       [](int64_t id, int ordinal, const std::vector<std::tuple<int, nb::bytes, std::vector<nb::bytes>>>& peers) {
@@ -169,6 +172,7 @@ void RegisterCuda(nb::module_& m) {
         d["visibility"] = dev->fabric->VisibilityName();
         d["bytes"] = dev->fabric->BytesAllocated();
         d["remote_ranks"] = dev->args.num_remote;
+        d["regions_per_lane"] = dev->fabric->regions_per_lane();
         d["proxy_cpu"] = dev->fabric->proxy_cpu();
         d["proxy_cpus"] = dev->fabric->proxy_cpus();
         d["numa_node"] = dev->fabric->numa_node();
@@ -176,7 +180,8 @@ void RegisterCuda(nb::module_& m) {
         d["areas_numa_node"] = dev->fabric->AreasNumaNode();
         return d;
       },
-      "The fabric of a device ({} without remote ranks): provider, where its areas live, their bytes, the core of "
+      "The fabric of a device ({} without remote ranks): provider, where its areas live, their bytes and regions per "
+      "lane (one per remote rank), the core of "
       "its proxy thread (-1: not pinned), the GPU's NUMA node and the one its pinned areas landed on (-1: unknown).");
   cuda.def(
       "fabric_trace",

@@ -48,18 +48,23 @@ class PumpRank {
  public:
   // The regions of a dispatch of `max_tokens` tokens of `hidden` bf16 channels, one expert per rank, top-1.
   // share: another PumpRank of this process whose engine this one uses too (two Communicators of one GPU).
+  // nodes: every rank's node, laying the buffers out for the ranks on other nodes only, as a GPU's
+  // (proxy::RegionSlots::OtherNodes; ranks of our node are served by the device, here nobody); empty: a region per
+  // rank, every other rank remote.
   PumpRank(const std::string& provider, int rank, int n, int lanes, int max_tokens, int hidden, uint32_t comm_id,
-           double timeout_s, bool busy_poll, const PumpRank* share)
+           double timeout_s, bool busy_poll, const PumpRank* share, const std::vector<int32_t>& nodes)
       : rank_(rank),
+        n_(n),
         comm_id_(comm_id),
         timeout_s_(timeout_s),
         shape_(Shape(n, max_tokens, hidden)),
-        lanes_{n, lanes, RegionBytes(shape_)},
+        slots_(nodes.empty() ? proxy::RegionSlots::EveryRank(n) : proxy::RegionSlots::OtherNodes(nodes)),
+        lanes_{Checked(rank, n, nodes, slots_), lanes, RegionBytes(shape_)},
         send_(lanes_.buffer_bytes()),
         recv_(lanes_.buffer_bytes()),
         bell_(sizeof(uint64_t) * proxy::kBellWords),
         bytes_(sizeof(uint64_t) * n * lanes) {
-    Require(rank >= 0 && rank < n && lanes >= 2 && lanes <= proxy::kMaxLanes, "PumpRank: bad rank or lanes");
+    Require(lanes >= 2 && lanes <= proxy::kMaxLanes, "PumpRank: bad lanes");
     fabric::EngineOptions options;
     options.provider = provider;
     options.busy_poll = busy_poll;  // a GPU's proxy spins on its core; tests on 2 cores share them
@@ -74,8 +79,9 @@ class PumpRank {
     config.comm_id = comm_id;
     config.rank = rank;
     config.lanes = lanes_;
+    config.slots = slots_;
     std::vector<bool> remote(n, true);
-    remote[rank] = false;  // its own region: the device copies it (here: nobody reads it)
+    for (int p = 0; p < n; ++p) remote[p] = p != rank && (nodes.empty() || nodes[p] != nodes[rank]);
     channel_ = std::make_unique<proxy::Channel>(
         config, remote, engine_, &local_, [](uint64_t) -> proxy::Block { Throw(ErrorCode::kInternal, "no staging"); },
         mu_, cv_);
@@ -90,7 +96,7 @@ class PumpRank {
     std::string d = recv_mr_->descriptor().Serialize();
     return nb::bytes(d.data(), d.size());
   }
-  // peers: (address, receive descriptor) of every rank but this one, in rank order.
+  // peers: (address, receive descriptor) of every remote rank, in rank order.
   void Connect(const std::vector<std::tuple<nb::bytes, nb::bytes>>& peers) {
     std::vector<fabric::PeerId> ids;
     std::vector<fabric::RegionDescriptor> regions;
@@ -135,22 +141,23 @@ class PumpRank {
 
   // The device's side.
   void WriteRegion(uint64_t round, int peer, const nb::bytes& data) {
-    Require(peer >= 0 && peer < lanes_.num_ranks && data.size() <= lanes_.region_bytes, "write_region: out of range");
-    std::memcpy(send_.data() + lanes_.Offset(round, peer), data.c_str(), data.size());
+    Require(data.size() <= lanes_.region_bytes, "write_region: more than a region");
+    std::memcpy(send_.data() + lanes_.Offset(round, SlotOf(peer, "write_region")), data.c_str(), data.size());
   }
   nb::bytes ReadRegion(uint64_t round, int sender, uint64_t size) const {
-    Require(sender >= 0 && sender < lanes_.num_ranks && size <= lanes_.region_bytes, "read_region: out of range");
-    return nb::bytes(reinterpret_cast<const char*>(recv_.data() + lanes_.Offset(round, sender)), size);
+    Require(size <= lanes_.region_bytes, "read_region: more than a region");
+    return nb::bytes(reinterpret_cast<const char*>(recv_.data() + lanes_.Offset(round, SlotOf(sender, "read_region"))),
+                     size);
   }
   void SetBytes(uint64_t round, int peer, uint64_t v) {
-    Require(peer >= 0 && peer < lanes_.num_ranks, "set_bytes: out of range");
-    uint64_t* word = reinterpret_cast<uint64_t*>(bytes_.data()) + lanes_.Lane(round) * lanes_.num_ranks + peer;
+    Require(peer >= 0 && peer < n_, "set_bytes: out of range");
+    uint64_t* word = reinterpret_cast<uint64_t*>(bytes_.data()) + lanes_.Lane(round) * n_ + peer;
     __atomic_store_n(word, v, __ATOMIC_RELAXED);
   }
   // The checks a receiving device runs on a region before using it (proxy::CheckHeader): "" or what is wrong.
   std::string CheckRegion(uint64_t round, int sender) const {
-    Require(sender >= 0 && sender < lanes_.num_ranks, "check_region: out of range");
-    const auto* h = reinterpret_cast<const proxy::RegionHeader*>(recv_.data() + lanes_.Offset(round, sender));
+    const uint8_t* region = recv_.data() + lanes_.Offset(round, SlotOf(sender, "check_region"));
+    const auto* h = reinterpret_cast<const proxy::RegionHeader*>(region);
     return proxy::CheckHeader(*h, shape_, comm_id_, round, sender, true);
   }
   uint64_t Bell(int word) const {
@@ -166,8 +173,8 @@ class PumpRank {
   // each round as soon as its flag is up. Per measured round, steady-clock ns: (rung, arrival seen by the device).
   // The pump's Trace() gives the steps between; both ranks' clocks are the host's.
   std::vector<std::tuple<int64_t, int64_t>> PingPong(int peer, uint64_t size, int warmup, int iters, bool leader) {
-    Require(peer >= 0 && peer < lanes_.num_ranks && peer != rank_ && size <= lanes_.region_bytes && pump_,
-            "ping_pong: bad peer or size, or the pump is not started");
+    Require(size <= lanes_.region_bytes && pump_, "ping_pong: bad size, or the pump is not started");
+    const int64_t slot = SlotOf(peer, "ping_pong");
     auto* bell = reinterpret_cast<uint64_t*>(bell_.data());
     auto* bytes = reinterpret_cast<uint64_t*>(bytes_.data());
     const auto spin = [&](int word, uint64_t v) {
@@ -191,9 +198,9 @@ class PumpRank {
         __atomic_store_n(bell + proxy::kRead, k, __ATOMIC_RELEASE);
       }
       spin(proxy::kSent, k > uint64_t(lanes_.count) ? k - uint64_t(lanes_.count) : 0);
-      uint8_t* region = send_.data() + lanes_.Offset(k, peer);
+      uint8_t* region = send_.data() + lanes_.Offset(k, slot);
       std::memset(region, int(k & 0xff), size);
-      __atomic_store_n(bytes + lanes_.Lane(k) * lanes_.num_ranks + peer, size, __ATOMIC_RELAXED);
+      __atomic_store_n(bytes + lanes_.Lane(k) * n_ + peer, size, __ATOMIC_RELAXED);
       const int64_t rung = now();
       __atomic_store_n(bell + proxy::kRung, k, __ATOMIC_RELEASE);
       if (leader) {
@@ -211,6 +218,7 @@ class PumpRank {
     return {st.progress_passes, st.progress_ns, st.poll_ns, st.hooks_ns, st.post_ns};
   }
   uint64_t region_bytes() const { return lanes_.region_bytes; }
+  uint64_t buffer_bytes() const { return lanes_.buffer_bytes(); }
   uint64_t header_bytes() const { return proxy::RegionHeaderBytes(shape_); }
   std::string Error() const { return pump_ ? pump_->error() : std::string(); }
   std::vector<std::tuple<int64_t, int64_t, int64_t>> Trace(int rounds) const {
@@ -222,10 +230,24 @@ class PumpRank {
   }
 
  private:
+  // Our buffers' regions per lane, once the arguments are known to be sound.
+  static int64_t Checked(int rank, int n, const std::vector<int32_t>& nodes, const proxy::RegionSlots& slots) {
+    Require(rank >= 0 && rank < n && (nodes.empty() || int(nodes.size()) == n), "PumpRank: bad rank or nodes");
+    return slots.Slots(rank);
+  }
+  // The slot of `peer`'s region in our buffers: a remote rank's only.
+  int64_t SlotOf(int peer, const char* op) const {
+    Require(peer >= 0 && peer < n_ && peer != rank_ && slots_.Slot(rank_, peer) >= 0,
+            std::string(op) + ": not a remote rank");
+    return slots_.Slot(rank_, peer);
+  }
+
   int rank_;
+  int n_;
   uint32_t comm_id_;
   double timeout_s_;
   proxy::MoeShape shape_;
+  proxy::RegionSlots slots_;
   proxy::Lanes lanes_;
   cpu::HostBuffer send_, recv_, bell_, bytes_;  // zeroed, 64-byte aligned
   std::shared_ptr<fabric::TransferEngine> engine_;
@@ -251,11 +273,14 @@ void RegisterProxyTesting(nb::module_& m) {
   t.attr("READ") = int(proxy::kRead);
   t.attr("ERROR") = int(proxy::kError);
   nb::class_<PumpRank>(t, "PumpRank")
-      .def(nb::init<const std::string&, int, int, int, int, int, uint32_t, double, bool, const PumpRank*>(),
+      .def(nb::init<const std::string&, int, int, int, int, int, uint32_t, double, bool, const PumpRank*,
+                    const std::vector<int32_t>&>(),
            nb::arg("provider"), nb::arg("rank"), nb::arg("num_ranks"), nb::arg("lanes"), nb::arg("max_tokens"),
            nb::arg("hidden"), nb::arg("comm_id"), nb::arg("timeout_s"), nb::arg("busy_poll") = false,
-           nb::arg("share_engine_of").none() = nb::none(), nb::keep_alive<1, 11>())
+           nb::arg("share_engine_of").none() = nb::none(), nb::arg("nodes") = std::vector<int32_t>(),
+           nb::keep_alive<1, 11>())
       .def_prop_ro("region_bytes", [](const PumpRank& r) { return r.region_bytes(); })
+      .def_prop_ro("buffer_bytes", [](const PumpRank& r) { return r.buffer_bytes(); })
       .def_prop_ro("header_bytes", [](const PumpRank& r) { return r.header_bytes(); })
       .def("check_region", &PumpRank::CheckRegion)
       .def("address", &PumpRank::Address)

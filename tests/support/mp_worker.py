@@ -130,7 +130,8 @@ def check_fabric_memory(comm) -> None:
     for ordinal, i in info.items():
         print(f"FABRIC process {jax.process_index()} device {ordinal}: {i.get('provider')}, {i.get('memory')}, "
               f"visibility: {i.get('visibility')}, fallback: {i.get('fallback') or '-'}, NUMA node: "
-              f"{i.get('numa_node')}, areas on node {i.get('areas_numa_node')}", flush=True)
+              f"{i.get('numa_node')}, areas on node {i.get('areas_numa_node')}, {i.get('bytes')} bytes, "
+              f"{i.get('regions_per_lane')} regions a lane for {i.get('remote_ranks')} remote ranks", flush=True)
     asked = os.environ.get("JAX_MOE_FABRIC_MEMORY", "auto")
     for i in info.values():  # "auto" on host memory says why; an explicit choice fell back from nothing
         if asked == "auto" and not i["on_gpu"]:
@@ -140,6 +141,8 @@ def check_fabric_memory(comm) -> None:
         stages = asked == "staged" or (asked == "auto" and os.environ.get("CUDA_MODULE_LOADING") == "EAGER"
                                        and os.environ.get("JAX_MOE_CUDA_COMMAND_BUFFERS", "0") != "1")
         assert bool(i.get("staged")) == stages, f"fabric_memory={asked}: staged is {i.get('staged')}: {info}"
+        # the areas hold a region per rank on another node, none for this node's ranks
+        assert i["regions_per_lane"] == i["remote_ranks"] > 0, f"areas not sized by the remote ranks: {info}"
         if asked == "auto":  # and says which way it went
             assert ("staged through HBM instead" if stages else "not staged: ") in i["fallback"], info
         # where the preference was granted (mbind may be refused, a cpuset may exclude the node) and the kernel says

@@ -7,6 +7,9 @@ Communicators per rank, whose pumps share the rank's engine, rung in an order th
 device side's hooks say "not yet" 200 times a round before each post and each arrival flag, as a GPU's copy engine),
 stuck (rank 0's arrival hook never says yes: its pump must stop, saying why). Ranks exchange engine addresses through
 files in DIR; each writes DIR/result.RANK (JSON).
+$PUMP_NODES ("0,0,1,2": every rank's node; modes ok and slow): the buffers hold regions for the ranks on other nodes
+only, as a GPU's do, and only those ranks exchange rounds (same-node ranks are the GPU's business over NVLink); the
+result then also gives the regions per lane of this rank's receive buffer ("slots").
 """
 import json
 import os
@@ -41,12 +44,21 @@ def wait(pr, word, value, what):
         time.sleep(0.0002)
 
 
-def check_arrivals(pr, k, rank, n, result, comm=COMM_ID):
-    """Round k's regions from every other rank: checked as the recv kernel checks them before it follows any count
+def nodes_of(n):
+    """Every rank's node from $PUMP_NODES, or [] (every rank its own node, a region per rank)."""
+    nodes = [int(v) for v in os.environ.get("PUMP_NODES", "").split(",") if v]
+    assert not nodes or len(nodes) == n, f"PUMP_NODES names {len(nodes)} nodes for {n} ranks"
+    return nodes
+
+
+def remote_ranks(rank, n, nodes):
+    return [q for q in range(n) if q != rank and (not nodes or nodes[q] != nodes[rank])]
+
+
+def check_arrivals(pr, k, rank, n, result, comm=COMM_ID, nodes=()):
+    """Round k's regions from every remote rank: checked as the recv kernel checks them before it follows any count
     (a bad one is recorded), then compared with what the sender wrote."""
-    for s in range(n):
-        if s == rank:
-            continue
+    for s in remote_ranks(rank, n, nodes):
         problem = pr.check_region(k, s)
         if problem:
             result["bad_regions"].append(problem)
@@ -85,20 +97,23 @@ def main():
     pt = _core.proxy_testing
     if mode == "shared":
         return shared(d, rank, n, provider, rounds)
-    pr = pt.PumpRank(provider, rank, n, LANES, T, HIDDEN, COMM_ID, TIMEOUT_S)
-    pr.connect([(bytes.fromhex(a), bytes.fromhex(desc)) for a, desc in
-                exchange(d, rank, n, [pr.address().hex(), pr.descriptor().hex()])])
+    nodes = nodes_of(n)
+    remote = remote_ranks(rank, n, nodes)
+    pr = pt.PumpRank(provider, rank, n, LANES, T, HIDDEN, COMM_ID, TIMEOUT_S, nodes=nodes)
+    others = exchange(d, rank, n, [pr.address().hex(), pr.descriptor().hex()])  # every other rank's, in rank order
+    pr.connect([(bytes.fromhex(a), bytes.fromhex(desc)) for q, (a, desc) in zip([q for q in range(n) if q != rank],
+                                                                                 others) if q in remote])
     pr.start(not_ready={"slow": 200, "stuck": -1 if rank == 0 else 0}.get(mode, 0))
     result = {"rank": rank, "rounds": 0, "error": "", "bad_regions": []}
+    if nodes:
+        result["slots"] = pr.buffer_bytes // (LANES * pr.region_bytes)
     try:
         for k in range(1, rounds + 1):
             if mode == "kill" and rank == n - 1 and k == 3:
                 wait(pr, pt.SENT, k - 1, "sent")  # its round 2 has left (so the others fail at round 3, not 2)
                 os._exit(0)  # dies without a word: the others must fail within the timeout, naming it
             wait(pr, pt.SENT, k - LANES, "sent")  # the send lane of round k is free again
-            for p in range(n):
-                if p == rank:
-                    continue
+            for p in remote:
                 forged = mode == "forge" and rank == 1 and k == 2
                 data = region(pr, k, rank, p, rows=T + 5 if forged else None)
                 pr.write_region(k, p, data)
@@ -106,7 +121,7 @@ def main():
                 pr.set_bytes(k, p, pr.region_bytes + 64 if overflow else len(data))
             pr.ring(pt.RUNG, k)
             wait(pr, pt.ARRIVED, k, "arrived")
-            check_arrivals(pr, k, rank, n, result)
+            check_arrivals(pr, k, rank, n, result, nodes=nodes)
             pr.ring(pt.READ, k)
             result["rounds"] = k
     except RuntimeError as e:
