@@ -122,15 +122,6 @@ def test_four_processes_as_two_nodes_of_two_hybrid(memory, rng):
     _run_workers(4, 2, "shm", rng, JAX_MOE_FABRIC_MEMORY=memory, **_expect_on_gpu(memory, "shm"), **_staged_env(memory))
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("memory", ["host", "staged"])
-def test_three_processes_as_nodes_of_two_and_one(memory, rng):
-    """Nodes of unequal size (ranks 0 and 1, then rank 2): the areas hold regions for the ranks on other nodes only,
-    so rank 2's lanes hold two regions and ranks 0's and 1's one, and each sender finds its region at another slot in
-    each receiver (proxy::RegionSlots::OtherNodes, the kernels' RemoteSlot)."""
-    _run_workers(3, 2, "shm", rng, JAX_MOE_FABRIC_MEMORY=memory, **_expect_on_gpu(memory, "shm"), **_staged_env(memory))
-
-
 def test_one_process_driving_two_gpus_as_two_nodes(rng):
     if _gpus() < 2:
         pytest.skip("needs 2 GPUs")
