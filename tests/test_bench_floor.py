@@ -110,7 +110,8 @@ def test_table_shows_each_floor_its_ratio_and_target_or_why_not():
     cells = rows["dispatch_send"].split()
     assert cells[6:8] == ["10.0", "10.0"] and cells[10] == "100.00" and cells[11] == "NO"  # 1000 > 1.5 * 10 + 10
     assert "(<= 25.0)" in rows["dispatch_send"]
-    assert "both ways" in lines[0] and lines[1].split()[-6:] == ["both", "ways", "x", "both", "x", "+copies"]
+    assert "both ways" in lines[0] and lines[1].split()[-10:] == ["both", "ways", "x", "both", "x", "+copies", "EP1",
+                                                                   "twin", "x", "twin"]
     # both ways: beside the floor of an operation that waits for bytes, not in it; "-" where not measured or a send
     both = floor.rec_floors(rec, ep1, {500: 40.0, 1000: 70.0}, {500: 55.0})
     assert both["dispatch"]["wire_both_ways_us"] == 55.0 and both["dispatch"]["floor_us"] == 50.0
@@ -119,7 +120,8 @@ def test_table_shows_each_floor_its_ratio_and_target_or_why_not():
     rec["floor"] = both
     rows = {line.split()[3]: line for line in floor.table([rec], meta)[2:]}
     want = f'{_rec()["stats"]["dispatch"]["p50"] / 65.0:.2f}'
-    assert rows["dispatch"].split()[-3:] == ["55.0", want, "-"] and rows["combine"].split()[-3:] == ["-", "-", "-"]
+    assert rows["dispatch"].split()[-5:] == ["55.0", want, "-", "-", "-"]
+    assert rows["combine"].split()[-5:] == ["-"] * 5
 
 
 def test_a_staged_run_shows_its_floor_with_the_two_copies_beside_it():
@@ -145,9 +147,9 @@ def test_a_staged_run_shows_its_floor_with_the_two_copies_beside_it():
     rows = {line.split()[3]: line for line in lines[2:]}
     for op in ("dispatch", "dispatch_recv", "combine", "combine_recv"):
         cells = rows[op].split()
-        assert cells[-1] == f"{got[op]['ratio_with_copies']:.2f}", op
-        assert cells[-1] != cells[10] == f"{got[op]['ratio']:.2f}", op  # x +copies beside x floor, not equal to it
-    assert rows["dispatch_send"].split()[-1] == "-"
+        assert cells[-3] == f"{got[op]['ratio_with_copies']:.2f}", op
+        assert cells[-3] != cells[10] == f"{got[op]['ratio']:.2f}", op  # x +copies beside x floor, not equal to it
+    assert rows["dispatch_send"].split()[-3] == "-"
 
 
 def test_a_staged_run_without_a_copy_rate_says_so():
@@ -168,9 +170,57 @@ def test_a_staged_run_without_a_copy_rate_says_so():
                                 "staging_copy_GBps": None})
     assert lines[0].endswith("; x +copies: n/a (no copy rate measured)")
     rows = {line.split()[3]: line for line in lines[2:]}
-    assert rows["dispatch"].split()[-1] == "n/a" and rows["combine"].split()[-1] == "n/a"
-    assert rows["dispatch_send"].split()[-1] == "-"
+    assert rows["dispatch"].split()[-3] == "n/a" and rows["combine"].split()[-3] == "n/a"
+    assert rows["dispatch_send"].split()[-3] == "-"
     assert "x +copies:" not in floor.table([rec], {"provider": "shm", "fabric": {"memory": "host"}})[0]  # not staged
+
+
+def test_processes_sharing_a_gpu_get_the_ep1_run_made_at_once_beside_the_floor():
+    """EP1 twin: the EP1 run as the processes sharing a GPU all at once, the mean of their p50s per operation; beside
+    the floor (x twin = p50 / (EP1 twin + one-way)), never in it; "-" where not measured."""
+    a = {"meta": {}, "results": [{"shape": "decode", "tokens": 128, "backend": "cuda",
+                                  "stats": {op: {"p50": 10.0} for op in floor.OPS}}]}
+    b = json.loads(json.dumps(a))
+    for op in floor.OPS:
+        b["results"][0]["stats"][op]["p50"] = 14.0
+    b["results"][0]["stats"]["combine"] = {}
+    twin = floor.parse_twin([a, b])
+    assert twin[("decode", 128, "cuda")]["dispatch"] == 12.0
+    assert twin[("decode", 128, "cuda")]["combine"] is None  # one of them did not time it
+    rec = _rec()
+    ep1 = {("decode", 128, "cuda"): {op: 10.0 for op in floor.OPS}}
+    got = floor.rec_floors(rec, ep1, {500: 40.0, 1000: 70.0}, {}, twin=twin)
+    plain = floor.rec_floors(rec, ep1, {500: 40.0, 1000: 70.0}, {})
+    assert got["dispatch"]["floor_us"] == plain["dispatch"]["floor_us"] == 50.0  # the floor itself is unchanged
+    p50 = rec["stats"]["dispatch"]["p50"]
+    assert got["dispatch"]["ratio_twin"] == pytest.approx(p50 / (12.0 + 40.0))
+    assert got["dispatch_send"]["ratio_twin"] == pytest.approx(rec["stats"]["dispatch_send"]["p50"] / 12.0)
+    assert "ep1_twin_p50_us" not in got["combine"] and "ep1_twin_p50_us" not in plain["dispatch"]
+    rec["floor"] = got
+    meta = {"provider": "shm", "fabric": {"memory": "host"}, "ep1_twin": {"copies": 2}}
+    lines = floor.table([rec], meta)
+    assert "EP1 run as 2 processes at once" in lines[0]
+    rows = {line.split()[3]: line for line in lines[2:]}
+    assert rows["dispatch"].split()[-2:] == ["12.0", f"{p50 / 52.0:.2f}"] and rows["combine"].split()[-2:] == ["-", "-"]
+    assert "EP1 twin: n/a (EP1 run, 2 at once: gone)" in floor.table(
+        [rec], dict(meta, ep1_twin={"copies": 2, "error": "EP1 run, 2 at once: gone"}))[0]
+
+
+def test_the_twin_runs_start_together_each_into_its_own_folder(tmp_path):
+    """cached_twin runs the EP1 command as many times at once, each writing its own --out; a cache keeps the pair."""
+    script = tmp_path / "fake_ep1.py"
+    script.write_text("import json, os, sys, time\n"
+                      "out = sys.argv[sys.argv.index('--out') + 1]\n"
+                      "os.makedirs(out, exist_ok=True)\n"
+                      "t0 = time.time(); time.sleep(1.0)\n"
+                      "json.dump({'start': t0, 'end': time.time(), 'out': out}, open(os.path.join(out, 'results.json'), 'w'))\n")
+    cmd = [sys.executable, str(script), "--out", str(tmp_path / "floor_ep1"), "--iters", "5"]
+    docs, reused = floor.cached_twin(str(tmp_path / "cache"), cmd, 2, str(tmp_path), 30.0)
+    assert not reused and len({d["out"] for d in docs}) == 2
+    assert max(d["start"] for d in docs) < min(d["end"] for d in docs)  # they ran at the same time
+    again, reused = floor.cached_twin(str(tmp_path / "cache"), cmd, 2, str(tmp_path), 30.0)
+    assert reused and again == docs
+    assert not floor.cached_twin(str(tmp_path / "cache"), cmd, 3, str(tmp_path), 30.0)[1]  # another count: measured
 
 
 def test_x_with_copies_of_a_zero_floor_is_none_not_a_division_by_zero():
@@ -342,3 +392,4 @@ def test_report_measures_ep1_and_the_engine_and_writes_the_floors(tmp_path, caps
     assert "FLOOR" in printed and printed.count("small       64 cpu") == len(floor.OPS)
     assert (tmp_path / "floor_ep1" / "results.json").exists() and (tmp_path / "floor_fabric.log").exists()
     assert (tmp_path / "floor_exchange.log").exists()
+    assert "ep1_twin" not in meta  # processes sharing a GPU only: no GPU here

@@ -14,6 +14,11 @@ Beside it, not in it: "both ways", the engine's one-way for the same bytes with 
 (`bench fabric --exchange`), as the ranks of an all-to-all load them; the floor's one-way loads one direction.
 "x both" is p50 / (EP1 + both ways): how far an operation is from the wire it actually shares.
 
+Beside it too, where the processes share a GPU (more processes than GPUs, as when one GPU plays two nodes): "EP1
+twin", the EP1 run again as that many processes at once (started together, each at its own share under MPS), the mean
+of their p50s. One GPU's processes contend for its HBM, L2 and copy engines, which two nodes' GPUs would not: "x twin"
+= p50 / (EP1 twin + one-way) says how far an operation is from its parts under the same contention. Not in FLOOR.
+
 Also beside it where the run's areas are staged (fabric_memory="staged": pinned host memory on the wire, HBM for the
 kernels): "x +copies" is p50 / (FLOOR + the two copies staging adds, the sender's out of HBM and the receiver's into
 it, each the bytes at the host-to-device copy rate the run measured (its peer bandwidth; the way out taken as the
@@ -31,6 +36,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, Union
 
 from jax_moe.bench import processes
@@ -79,11 +85,14 @@ def staging_us(nbytes: int, copy_gbps: float) -> float:
 
 
 def op_floor(p50: Optional[float], ep1: Union[float, str], wire: Union[tuple[int, float], str, None],
-             both_ways_us: Optional[float] = None, copy_gbps: Union[float, str, None] = None) -> dict:
+             both_ways_us: Optional[float] = None, copy_gbps: Union[float, str, None] = None,
+             ep1_twin: Optional[float] = None) -> dict:
     """One operation's entry: `ep1` is the EP1 p50 or why it is missing; `wire` is (bytes, one-way p50 us), why it is
     missing, or None for a send half (no bytes waited for); `both_ways_us` the same bytes' one-way with both directions
     loaded (reported beside the floor, not in it), where measured; `copy_gbps` the host-to-device copy rate of a
-    staged run (the floor plus its copies, beside the floor), why a staged run has none, or None (not staged)."""
+    staged run (the floor plus its copies, beside the floor), why a staged run has none, or None (not staged);
+    `ep1_twin` the EP1 p50 with the processes sharing the GPU all running it at once (beside the floor), where
+    measured."""
     for why in (ep1, wire):
         if isinstance(why, str):
             return {"n/a": why}
@@ -95,6 +104,10 @@ def op_floor(p50: Optional[float], ep1: Union[float, str], wire: Union[tuple[int
         out["wire_both_ways_us"] = both_ways_us
         if p50 is not None and float(ep1) + both_ways_us > 0:
             out["ratio_both_ways"] = p50 / (float(ep1) + both_ways_us)
+    if ep1_twin is not None:
+        out["ep1_twin_p50_us"] = ep1_twin
+        if p50 is not None and ep1_twin + wire_us > 0:
+            out["ratio_twin"] = p50 / (ep1_twin + wire_us)
     if wire is not None and copy_gbps is not None:
         if isinstance(copy_gbps, str) or copy_gbps <= 0:
             out["staging_n/a"] = copy_gbps if isinstance(copy_gbps, str) else NO_COPY_RATE
@@ -116,11 +129,13 @@ def wire_bytes(rec: dict) -> dict[str, int]:
 
 
 def rec_floors(rec: dict, ep1: Ep1, wire: Wire, both: Wire = "not measured",
-               copy_gbps: Union[float, str, None] = None) -> dict[str, dict]:
+               copy_gbps: Union[float, str, None] = None, twin: Ep1 = "not measured") -> dict[str, dict]:
     """Every operation of a moe record beside its floor (and `both`, the one-way with both directions loaded; with
-    `copy_gbps`, a staged run's copies, or why it has none: see op_floor)."""
+    `copy_gbps`, a staged run's copies, or why it has none; `twin`, the EP1 run with the GPU's processes all running
+    it at once: see op_floor)."""
     key = (rec["shape"], int(rec["tokens"]), rec["backend"])
     mine = ep1 if isinstance(ep1, str) else ep1.get(key, f"the EP1 run has no {key[0]} T={key[1]} {key[2]}")
+    twins = {} if isinstance(twin, str) else twin.get(key, {})
     nbytes = wire_bytes(rec)
     out = {}
     for op in OPS:
@@ -133,7 +148,7 @@ def rec_floors(rec: dict, ep1: Ep1, wire: Wire, both: Wire = "not measured",
             b = nbytes[WIRE[op]]
             w = wire if isinstance(wire, str) else ((b, wire[b]) if b in wire else f"bench fabric has no {b} B round")
             b2 = None if isinstance(both, str) else both.get(b)
-        out[op] = op_floor(rec["stats"][op]["p50"], e, w, b2, copy_gbps)
+        out[op] = op_floor(rec["stats"][op]["p50"], e, w, b2, copy_gbps, twins.get(op))
     return out
 
 
@@ -142,6 +157,18 @@ def parse_ep1(doc: dict) -> dict:
     """EP1 p50 per operation by (shape, tokens, backend), from the moe benchmark's results.json."""
     return {(r["shape"], int(r["tokens"]), r["backend"]): {op: (r["stats"].get(op) or {}).get("p50") for op in OPS}
             for r in doc["results"]}
+
+
+def parse_twin(docs: list[dict]) -> dict:
+    """The EP1 runs made at once: per (shape, tokens, backend) and operation, the mean of their p50s (None where one
+    of them did not time it)."""
+    runs = [parse_ep1(d) for d in docs]
+    out: dict = {}
+    for key in runs[0]:
+        if all(key in r for r in runs):
+            vals = {op: [r[key][op] for r in runs] for op in OPS}
+            out[key] = {op: None if any(v is None for v in vs) else sum(vs) / len(vs) for op, vs in vals.items()}
+    return out
 
 
 def parse_fabric(doc: dict, provider: str) -> tuple[dict[int, float], str]:
@@ -238,6 +265,25 @@ def ep1_command(args: argparse.Namespace, backends: list[str], shapes: list[str]
     return cmd
 
 
+def cached_twin(cache: Optional[str], cmd: list[str], copies: int, work: str, timeout: float,
+                env: Optional[dict] = None) -> tuple[list[dict], bool]:
+    """`cmd` (the EP1 run, with its --out) run `copies` times at once, each into its own folder under `work`; their
+    JSON, once per command and count in `cache` (cached_json), and whether it came from there."""
+    def run() -> dict:
+        cmds, paths = [], []
+        at = cmd.index("--out") + 1
+        for i in range(copies):
+            out = os.path.join(work, f"floor_ep1_twin{i}")
+            cmds.append([*cmd[:at], out, *cmd[at + 1:]])
+            paths.append(os.path.join(out, "results.json"))
+        with ThreadPoolExecutor(copies) as pool:  # started together: their timed loops overlap
+            runs = [pool.submit(run_json, c, p, timeout, os.path.join(work, f"floor_ep1_twin{i}.log"), env)
+                    for i, (c, p) in enumerate(zip(cmds, paths))]
+            return {"runs": [r.result() for r in runs]}
+    doc, reused = cached_json(cache, [*cmd, f"(x{copies} at once)"], run)
+    return doc["runs"], reused
+
+
 def ep1_env() -> dict:
     """This environment (the same SM share under MPS, the same trace switch) without what makes ranks remote."""
     return {k: v for k, v in os.environ.items() if k not in ("JAX_MOE_RANKS_PER_NODE", processes.PROC_ENV)}
@@ -279,8 +325,21 @@ def attach(doc: dict, args: argparse.Namespace, work: str) -> Optional[dict]:
         ep1 = f"EP1 run: {e}"
         meta["ep1"] = {"command": cmd, "error": ep1}
 
-    sizes = sorted({b for r in recs for b in wire_bytes(r).values()})
     gpus = processes.gpu_count()
+    twin: Ep1 = "not measured"
+    copies = -(-int(getattr(args, "processes", 1)) // gpus)  # processes sharing one GPU
+    if copies > 1 and "cuda" in backends and not isinstance(ep1, str):
+        started = time.perf_counter()
+        print(f"[moe] floors: EP1 run, {copies} at once (the processes share a GPU)", flush=True)
+        try:
+            docs, reused = cached_twin(cache, cmd, copies, work, timeout, ep1_env())
+            twin = parse_twin(docs)
+            meta["ep1_twin"] = {"copies": copies, "seconds": time.perf_counter() - started, "reused": reused}
+        except Unavailable as e:
+            twin = f"EP1 run, {copies} at once: {e}"
+            meta["ep1_twin"] = {"copies": copies, "error": twin}
+
+    sizes = sorted({b for r in recs for b in wire_bytes(r).values()})
     path = os.path.join(work, "floor_fabric.json")
     cmd = fabric_command(provider, memory, sizes, gpus, path)
     print(f"[moe] floors: bench fabric ({' '.join(cmd[4:])})", flush=True)
@@ -311,7 +370,7 @@ def attach(doc: dict, args: argparse.Namespace, work: str) -> Optional[dict]:
         meta["staged"] = True
         meta["staging_copy_GBps"] = copy_gbps if isinstance(copy_gbps, float) else None
     for rec in recs:
-        rec["floor"] = rec_floors(rec, ep1, wire, both, copy_gbps)
+        rec["floor"] = rec_floors(rec, ep1, wire, both, copy_gbps, twin)
     doc["meta"]["floor"] = meta
     return meta
 
@@ -331,6 +390,17 @@ def _copies_legend(meta: dict) -> str:
     return ""
 
 
+def _twin_legend(meta: dict) -> str:
+    """The twin columns' part of the table's first line: how many ran at once, why there is none, or nothing."""
+    twin = meta.get("ep1_twin")
+    if not twin:
+        return ""
+    if "error" in twin:
+        return f"; EP1 twin: n/a ({twin['error']})"
+    return (f"; EP1 twin: the EP1 run as {twin['copies']} processes at once on the shared GPU (mean p50), "
+            f"x twin: p50 / (EP1 twin + one-way)")
+
+
 def table(results: list[dict], meta: dict) -> list[str]:
     """Each operation of the records with floors: p50, p99, FLOOR (= EP1 + one-way), measured / floor, target."""
     fab = meta.get("fabric", {})
@@ -339,10 +409,10 @@ def table(results: list[dict], meta: dict) -> list[str]:
              f"remote rank (send halves: EP1 only, their bytes travel during the receive half); us; target {TARGET}; "
              f"both ways: the same bytes' one-way with both directions loaded at once (bench fabric --exchange), "
              f"not in FLOOR; x both: p50 / (EP1 + both ways)"
-             + _copies_legend(meta),
+             + _copies_legend(meta) + _twin_legend(meta),
              f"{'shape':8s} {'T':>5s} {'backend':10s} {'op':13s} {'p50':>9s} {'p99':>9s} {'FLOOR':>9s} {'EP1':>9s} "
              f"{'one-way':>9s} {'bytes':>9s} {'x floor':>8s}  {'target':17s} {'both ways':>9s} {'x both':>7s} "
-             f"{'x +copies':>9s}"]
+             f"{'x +copies':>9s} {'EP1 twin':>9s} {'x twin':>7s}"]
     for rec in results:
         for op, f in rec.get("floor", {}).items():
             st = rec["stats"][op]
@@ -360,7 +430,8 @@ def table(results: list[dict], meta: dict) -> list[str]:
                          f"{f['wire_bytes'] if WIRE[op] else '-':>9} {'-' if ratio is None else f'{ratio:8.2f}':>8}"
                          f"  {verdict:17s} {_num(f.get('wire_both_ways_us'))} "
                          f"{'-' if ratio_both is None else f'{ratio_both:7.2f}':>7} "
-                         f"{copies:>9}")
+                         f"{copies:>9} {_num(f.get('ep1_twin_p50_us'))} "
+                         f"{'-' if f.get('ratio_twin') is None else format(f['ratio_twin'], '7.2f'):>7}")
     return lines
 
 
