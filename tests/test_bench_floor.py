@@ -187,6 +187,10 @@ def test_processes_sharing_a_gpu_get_the_ep1_run_made_at_once_beside_the_floor()
     twin = floor.parse_twin([a, b])
     assert twin[("decode", 128, "cuda")]["dispatch"] == 12.0
     assert twin[("decode", 128, "cuda")]["combine"] is None  # one of them did not time it
+    lost = json.loads(json.dumps(b))
+    lost["results"] = []  # a run that failed its shape (the bench goes on without a record)
+    with pytest.raises(floor.Unavailable, match=r"run 1 of 2 measured no decode T=128 cuda \(floor_ep1_twin1.log\)"):
+        floor.parse_twin([a, lost])
     rec = _rec()
     ep1 = {("decode", 128, "cuda"): {op: 10.0 for op in floor.OPS}}
     got = floor.rec_floors(rec, ep1, {500: 40.0, 1000: 70.0}, {}, twin=twin)

@@ -161,13 +161,18 @@ def parse_ep1(doc: dict) -> dict:
 
 def parse_twin(docs: list[dict]) -> dict:
     """The EP1 runs made at once: per (shape, tokens, backend) and operation, the mean of their p50s (None where one
-    of them did not time it)."""
+    of them did not time it). Unavailable where one of them has no record of a shape another has (a run that failed
+    there, say out of memory beside the others)."""
     runs = [parse_ep1(d) for d in docs]
+    keys = set().union(*runs)
+    for i, r in enumerate(runs):
+        if keys - set(r):
+            key = sorted(keys - set(r))[0]
+            raise Unavailable(f"run {i} of {len(runs)} measured no {key[0]} T={key[1]} {key[2]} (floor_ep1_twin{i}.log)")
     out: dict = {}
-    for key in runs[0]:
-        if all(key in r for r in runs):
-            vals = {op: [r[key][op] for r in runs] for op in OPS}
-            out[key] = {op: None if any(v is None for v in vs) else sum(vs) / len(vs) for op, vs in vals.items()}
+    for key in keys:
+        vals = {op: [r[key][op] for r in runs] for op in OPS}
+        out[key] = {op: None if any(v is None for v in vs) else sum(vs) / len(vs) for op, vs in vals.items()}
     return out
 
 
@@ -332,7 +337,9 @@ def attach(doc: dict, args: argparse.Namespace, work: str) -> Optional[dict]:
         started = time.perf_counter()
         print(f"[moe] floors: EP1 run, {copies} at once (the processes share a GPU)", flush=True)
         try:
-            docs, reused = cached_twin(cache, cmd, copies, work, timeout, ep1_env())
+            # each allocates what it uses, as the launcher's processes do: two preallocating 75 % cannot share a GPU
+            docs, reused = cached_twin(cache, cmd, copies, work, timeout,
+                                       dict(ep1_env(), XLA_PYTHON_CLIENT_PREALLOCATE="false"))
             twin = parse_twin(docs)
             meta["ep1_twin"] = {"copies": copies, "seconds": time.perf_counter() - started, "reused": reused}
         except Unavailable as e:
