@@ -201,13 +201,22 @@ def test_processes_sharing_a_gpu_get_the_ep1_run_made_at_once_beside_the_floor()
     assert got["dispatch_send"]["ratio_twin"] == pytest.approx(rec["stats"]["dispatch_send"]["p50"] / 12.0)
     assert "ep1_twin_p50_us" not in got["combine"] and "ep1_twin_p50_us" not in plain["dispatch"]
     rec["floor"] = got
-    meta = {"provider": "shm", "fabric": {"memory": "host"}, "ep1_twin": {"copies": 2}}
+    meta = {"provider": "shm", "fabric": {"memory": "host"}, "ep1_twin": {"copies": 2, "overlap": 0.8}}
     lines = floor.table([rec], meta)
-    assert "EP1 run as 2 processes at once" in lines[0]
+    assert "EP1 run as 2 processes at once" in lines[0] and "which ran 80 % of the time together" in lines[0]
     rows = {line.split()[3]: line for line in lines[2:]}
     assert rows["dispatch"].split()[-2:] == ["12.0", f"{p50 / 52.0:.2f}"] and rows["combine"].split()[-2:] == ["-", "-"]
     assert "EP1 twin: n/a (EP1 run, 2 at once: gone)" in floor.table(
         [rec], dict(meta, ep1_twin={"copies": 2, "error": "EP1 run, 2 at once: gone"}))[0]
+
+
+def test_the_twin_runs_overlap_is_the_time_all_ran_over_the_longest_run():
+    def doc(*walls):
+        return {"results": [{"shape": "decode", "tokens": 128, "backend": "cuda", "wall": list(w)} for w in walls]}
+    assert floor.twin_overlap([doc((0.0, 10.0)), doc((2.0, 12.0))]) == pytest.approx(0.8)
+    assert floor.twin_overlap([doc((0.0, 10.0)), doc((11.0, 12.0))]) == 0.0  # one after the other
+    assert floor.twin_overlap([doc((0.0, 10.0)), {"results": [{"shape": "decode", "tokens": 128,
+                                                               "backend": "cuda"}]}]) is None  # an older bench
 
 
 def test_the_twin_runs_start_together_each_into_its_own_folder(tmp_path):

@@ -176,6 +176,25 @@ def parse_twin(docs: list[dict]) -> dict:
     return out
 
 
+def twin_overlap(docs: list[dict]) -> Optional[float]:
+    """How much the runs made at once ran together: per record, the time all of them ran over the longest one's
+    (records' "wall", compile included); the least over the records, None where a run did not say."""
+    spans: dict = {}
+    for d in docs:
+        for r in d["results"]:
+            if "wall" not in r:
+                return None
+            spans.setdefault((r["shape"], int(r["tokens"]), r["backend"]), []).append(r["wall"])
+    if not spans:
+        return None
+    least = 1.0
+    for walls in spans.values():
+        together = min(w[1] for w in walls) - max(w[0] for w in walls)
+        longest = max(w[1] - w[0] for w in walls)
+        least = min(least, max(0.0, together) / longest if longest > 0 else 0.0)
+    return least
+
+
 def parse_fabric(doc: dict, provider: str) -> tuple[dict[int, float], str]:
     """One-way p50 us per size from `bench fabric --json` (whose sizes include 0), and how the memory was registered."""
     rows = doc.get(provider)
@@ -341,7 +360,8 @@ def attach(doc: dict, args: argparse.Namespace, work: str) -> Optional[dict]:
             docs, reused = cached_twin(cache, cmd, copies, work, timeout,
                                        dict(ep1_env(), XLA_PYTHON_CLIENT_PREALLOCATE="false"))
             twin = parse_twin(docs)
-            meta["ep1_twin"] = {"copies": copies, "seconds": time.perf_counter() - started, "reused": reused}
+            meta["ep1_twin"] = {"copies": copies, "seconds": time.perf_counter() - started, "reused": reused,
+                                "overlap": twin_overlap(docs)}
         except Unavailable as e:
             twin = f"EP1 run, {copies} at once: {e}"
             meta["ep1_twin"] = {"copies": copies, "error": twin}
@@ -404,7 +424,9 @@ def _twin_legend(meta: dict) -> str:
         return ""
     if "error" in twin:
         return f"; EP1 twin: n/a ({twin['error']})"
-    return (f"; EP1 twin: the EP1 run as {twin['copies']} processes at once on the shared GPU (mean p50), "
+    overlap = twin.get("overlap")
+    ran = "" if overlap is None else f", which ran {100 * overlap:.0f} % of the time together"
+    return (f"; EP1 twin: the EP1 run as {twin['copies']} processes at once on the shared GPU (mean p50{ran}), "
             f"x twin: p50 / (EP1 twin + one-way)")
 
 

@@ -159,7 +159,7 @@ def main(argv) -> int:
                 print(f"[moe] skip backend {backend}: {err}")
                 skipped.add(backend)
                 continue
-            started = time.perf_counter()
+            started, wall_from = time.perf_counter(), time.time()
             try:
                 if gpu:
                     with diagnostics.profiled(0 if joined is None else joined[0]):
@@ -183,7 +183,8 @@ def main(argv) -> int:
             fabric = comm.backend.fabric_info() if native == "cuda" else {}
             rec = {"shape": shape, "tokens": t, "hidden": hidden, "experts": e, "topk": r, "fp8": fp8,
                    "ranks": n, "backend": backend, "stats": stats, "remote_dispatch_bytes": disp_bytes,
-                   "remote_combine_bytes": comb_bytes, "seconds": time.perf_counter() - started}
+                   "remote_combine_bytes": comb_bytes, "seconds": time.perf_counter() - started,
+                   "wall": [wall_from, time.time()]}  # when it ran (compile included): runs made at once overlap
             if summed:
                 rec["remote_combine_bytes_sent"] = comb_summed
             if comm is not None and native == "cuda":
