@@ -14,7 +14,7 @@ import pytest
 from support.fabric_mp import needs
 
 from jax_moe.bench import fabric as fabric_bench
-from jax_moe.bench import floor
+from jax_moe.bench import floor, floor_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -228,12 +228,12 @@ def test_the_twin_runs_start_together_each_into_its_own_folder(tmp_path):
                       "t0 = time.time(); time.sleep(1.0)\n"
                       "json.dump({'start': t0, 'end': time.time(), 'out': out}, open(os.path.join(out, 'results.json'), 'w'))\n")
     cmd = [sys.executable, str(script), "--out", str(tmp_path / "floor_ep1"), "--iters", "5"]
-    docs, reused = floor.cached_twin(str(tmp_path / "cache"), cmd, 2, str(tmp_path), 30.0)
+    docs, reused = floor_runs.cached_twin(str(tmp_path / "cache"), cmd, 2, str(tmp_path), 30.0)
     assert not reused and len({d["out"] for d in docs}) == 2
     assert max(d["start"] for d in docs) < min(d["end"] for d in docs)  # they ran at the same time
-    again, reused = floor.cached_twin(str(tmp_path / "cache"), cmd, 2, str(tmp_path), 30.0)
+    again, reused = floor_runs.cached_twin(str(tmp_path / "cache"), cmd, 2, str(tmp_path), 30.0)
     assert reused and again == docs
-    assert not floor.cached_twin(str(tmp_path / "cache"), cmd, 3, str(tmp_path), 30.0)[1]  # another count: measured
+    assert not floor_runs.cached_twin(str(tmp_path / "cache"), cmd, 3, str(tmp_path), 30.0)[1]  # another count: measured
 
 
 def test_x_with_copies_of_a_zero_floor_is_none_not_a_division_by_zero():
@@ -242,18 +242,18 @@ def test_x_with_copies_of_a_zero_floor_is_none_not_a_division_by_zero():
 
 
 def test_ep1_command_and_environment():
-    cmd = floor.ep1_command(_args(iters=200, warmup=2), ["cuda"], ["decode", "sweep"], "/o/floor_ep1")
+    cmd = floor_runs.ep1_command(_args(iters=200, warmup=2), ["cuda"], ["decode", "sweep"], "/o/floor_ep1")
     assert cmd[1:4] == ["-m", "jax_moe.bench", "moe"]
     flags = dict(zip(cmd[4::2], cmd[5::2]))
     assert flags == {"--backend": "cuda", "--shape": "decode,sweep", "--ranks": "1", "--warmup": "2",
                      "--unroll": "25", "--seed": "0", "--out": "/o/floor_ep1", "--iters": "200"}
     os.environ["JAX_MOE_RANKS_PER_NODE"] = "1"
     try:
-        env = floor.ep1_env()
+        env = floor_runs.ep1_env()
     finally:
         del os.environ["JAX_MOE_RANKS_PER_NODE"]
     assert "JAX_MOE_RANKS_PER_NODE" not in env and env["PATH"] == os.environ["PATH"]
-    fab = floor.fabric_command("shm", "cuda", [4096, 512], 2, "f.json")
+    fab = floor_runs.fabric_command("shm", "cuda", [4096, 512], 2, "f.json")
     assert fab[fab.index("--sizes") + 1] == "0,512,4096" and fab[fab.index("--memory") + 1] == "cuda"
 
 
@@ -274,16 +274,16 @@ def test_a_floor_cache_runs_each_command_once_whatever_its_output_paths(tmp_path
 
     ep1 = ["py", "-m", "jax_moe.bench", "moe", "--shape", "decode", "--out", "/a/floor_ep1"]
     moved = ep1[:-1] + ["/b/floor_ep1"]  # the next memory's benchmark writes elsewhere: the same measurement
-    assert floor.cached_json(None, ep1, run(1)) == ({"v": 1}, False)
-    assert floor.cached_json(None, ep1, run(2)) == ({"v": 2}, False)  # no cache: every time
+    assert floor_runs.cached_json(None, ep1, run(1)) == ({"v": 1}, False)
+    assert floor_runs.cached_json(None, ep1, run(2)) == ({"v": 2}, False)  # no cache: every time
     cache = str(tmp_path / "cache")
-    assert floor.cached_json(cache, ep1, run(3)) == ({"v": 3}, False)
-    assert floor.cached_json(cache, moved, run(4)) == ({"v": 3}, True)
+    assert floor_runs.cached_json(cache, ep1, run(3)) == ({"v": 3}, False)
+    assert floor_runs.cached_json(cache, moved, run(4)) == ({"v": 3}, True)
     other = ep1[:5] + ["prefill"] + ep1[6:]
-    assert floor.cached_json(cache, other, run(5)) == ({"v": 5}, False)
+    assert floor_runs.cached_json(cache, other, run(5)) == ({"v": 5}, False)
     fab = ["py", "-m", "jax_moe.bench", "fabric", "--providers", "shm", "--json", "/a/f.json"]
-    assert floor.cached_json(cache, fab, run(6)) == ({"v": 6}, False)
-    assert floor.cached_json(cache, fab[:-1] + ["/b/f.json"], run(7)) == ({"v": 6}, True)
+    assert floor_runs.cached_json(cache, fab, run(6)) == ({"v": 6}, False)
+    assert floor_runs.cached_json(cache, fab[:-1] + ["/b/f.json"], run(7)) == ({"v": 6}, True)
     assert runs == [1, 2, 3, 5, 6]
 
 
@@ -291,11 +291,11 @@ def test_run_json_reads_the_json_and_turns_failures_into_reasons(tmp_path):
     out, log = str(tmp_path / "r.json"), str(tmp_path / "r.log")
     py = sys.executable
     write = f"import json; json.dump({{'a': 1}}, open({out!r}, 'w'))"
-    assert floor.run_json([py, "-c", write], out, 30, log) == {"a": 1}
+    assert floor_runs.run_json([py, "-c", write], out, 30, log) == {"a": 1}
     with pytest.raises(floor.Unavailable, match="exited with 3: boom"):
-        floor.run_json([py, "-c", "import sys; print('boom'); sys.exit(3)"], out, 30, log)
+        floor_runs.run_json([py, "-c", "import sys; print('boom'); sys.exit(3)"], out, 30, log)
     with pytest.raises(floor.Unavailable, match="wrote no results"):  # also: the earlier run's JSON was removed
-        floor.run_json([py, "-c", "pass"], out, 30, log)
+        floor_runs.run_json([py, "-c", "pass"], out, 30, log)
     # a run past its time goes, with the processes it started
     pid_file = tmp_path / "child.pid"
     hang = ("import subprocess, sys, time; "
@@ -303,7 +303,7 @@ def test_run_json_reads_the_json_and_turns_failures_into_reasons(tmp_path):
             f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(60)")
     t0 = time.monotonic()
     with pytest.raises(floor.Unavailable, match="ran past 2 s"):
-        floor.run_json([py, "-c", hang], out, 2, log)
+        floor_runs.run_json([py, "-c", hang], out, 2, log)
     assert time.monotonic() - t0 < 10
     child = int(pid_file.read_text())
     for _ in range(100):  # reaped by init once killed

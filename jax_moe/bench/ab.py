@@ -23,7 +23,7 @@ import statistics
 import sys
 from typing import Any, Optional
 
-from jax_moe.bench import floor
+from jax_moe.bench import floor_runs
 from jax_moe.bench.report import PHASES
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -179,11 +179,11 @@ def main(argv: list[str]) -> int:
         os.makedirs(out, exist_ok=True)
         log = os.path.join(args.out, "runs", f"{name}_{r}.log")
         try:
-            doc = floor.run_json(cmd, os.path.join(out, "results.json"), args.timeout, log, env)
+            doc = floor_runs.run_json(cmd, os.path.join(out, "results.json"), args.timeout, log, env)
             if not doc.get("results"):  # bench moe exits 0 when every backend failed, and says why in its log
-                raise floor.Unavailable(f"bench moe measured nothing (log {log})")
+                raise floor_runs.Unavailable(f"bench moe measured nothing (log {log})")
             runs[name][r] = doc
-        except floor.Unavailable as e:
+        except floor_runs.Unavailable as e:
             failures.append(f"round {r}, {name}: {e}")
             print(f"[ab] {failures[-1]}", file=sys.stderr, flush=True)
         rows = _write(args, moe, runs, failures)
