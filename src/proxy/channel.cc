@@ -21,8 +21,9 @@ Channel::Channel(const ChannelConfig& config, const std::vector<bool>& remote,
       staging_(int64_t(remote.size()) * config.lanes.region_bytes, std::move(allocate)) {
   const int64_t n = int64_t(remote.size()), k = lanes().count;
   const RegionSlots& slots = config.slots;
-  JAX_MOE_REQUIRE(slots.num_ranks() == n && slots.Slots(config.rank) == lanes().slots,
-                  "Channel: one entry per rank, and lanes of as many regions as the rank's slots");
+  JAX_MOE_REQUIRE(slots.num_ranks() == n && config.rank >= 0 && config.rank < n &&
+                      slots.Slots(config.rank) == lanes().slots,
+                  "Channel: one entry per rank, this rank among them, and lanes of as many regions as its slots");
   remote_index_.assign(n, -1);
   for (int64_t p = 0; p < n; ++p) {
     if (!remote[p]) continue;

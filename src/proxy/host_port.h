@@ -34,7 +34,8 @@ class HostPort {
     std::vector<std::string> descriptors;
   };
   // Connects `channels` (sharing their remote ranks; registered in the same order as Register was called) to `ends`,
-  // one per remote rank in channels[0]->remote_ranks() order. A remote buffer of another size than ours is refused.
+  // one per remote rank in channels[0]->remote_ranks() order. A remote buffer of another size than ours is refused:
+  // the "cpu" backend's buffers hold a region per rank (RegionSlots::EveryRank), the same on every rank.
   void Connect(const std::vector<Channel*>& channels, const std::vector<RemoteEnd>& ends, double timeout_s);
   // Waits (at most bound_s) until the engine's writes in flight completed; throws when a peer failed.
   void WaitSends(double bound_s);

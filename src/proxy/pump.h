@@ -8,7 +8,8 @@
 // Control words live in memory both sides see: host-mapped pinned memory on a GPU, plain host memory when a host
 // thread plays the device (tests). Each word has one writer. Per direction of a rank (Bell):
 //   device: bytes[lane][p] (our region's bytes for rank p), then rung = k: round k's regions are in the send area, lane
-//           k % K, region of rank p at Lanes::Offset(k, p); read = k: the device finished reading round k
+//           k % K, rank p's at its slot (Lanes::Offset(k, RegionSlots::Slot(rank, p))); read = k: the device finished
+//           reading round k
 //   pump:   sent = k: every write of rounds <= k completed (their send lanes may be rewritten); arrived = k: every
 //           remote sender's region of rounds <= k is in the receive area; error != 0: the pump stopped (Pump::error)
 // Peers this device reaches itself (NVLink) are not the pump's: their channel entries are same-process ones whose
@@ -43,7 +44,7 @@ class Pump {
  public:
   struct Link {
     Channel* channel;                  // one direction of one rank; its remote ranks are the pump's
-    const fabric::MemoryRegion* area;  // the send area: [K lanes][N ranks] regions, registered with the engine
+    const fabric::MemoryRegion* area;  // the send area: [K lanes][slots] regions (ChannelConfig::slots), registered
     uint64_t* bell;                    // kBellWords words (see BellWord)
     const uint64_t* bytes;             // [K lanes][N]: bytes of a round's region for each rank, in its lane
   };

@@ -233,6 +233,7 @@ class PumpRank {
   // Our buffers' regions per lane, once the arguments are known to be sound.
   static int64_t Checked(int rank, int n, const std::vector<int32_t>& nodes, const proxy::RegionSlots& slots) {
     Require(rank >= 0 && rank < n && (nodes.empty() || int(nodes.size()) == n), "PumpRank: bad rank or nodes");
+    Require(slots.Slots(rank) > 0, "PumpRank: no rank on another node");
     return slots.Slots(rank);
   }
   // The slot of `peer`'s region in our buffers: a remote rank's only.
