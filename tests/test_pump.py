@@ -14,8 +14,9 @@ from support.fabric_mp import AVAILABLE
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "pump_worker.py")
 
 
-def run_ranks(tmp_path, n, provider, rounds, mode, timeout=60.0, nodes=()):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", FI_LOG_LEVEL="warn", PUMP_NODES=",".join(map(str, nodes)))
+def run_ranks(tmp_path, n, provider, rounds, mode, timeout=60.0, nodes=(), straggler=-1):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", FI_LOG_LEVEL="warn", PUMP_NODES=",".join(map(str, nodes)),
+               PUMP_STRAGGLER=str(straggler))
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(WORKER), env.get("PYTHONPATH", "")])
     procs = [subprocess.Popen([sys.executable, WORKER, str(tmp_path), str(r), str(n), provider, str(rounds), mode],
                               stdout=open(tmp_path / f"log.{r}", "w"), stderr=subprocess.STDOUT, env=env)
@@ -58,6 +59,20 @@ def test_buffers_of_other_nodes_ranks_only(tmp_path, provider, mode):
     results = run_ranks(tmp_path, 4, provider, rounds=9, mode=mode, nodes=(0, 0, 1, 2))
     for r, res in results.items():
         assert res == {"rank": r, "rounds": 9, "error": "", "bad_regions": [], "slots": 2 if r < 2 else 3}, res
+
+
+@pytest.mark.parametrize("straggler", [0, 2])
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+def test_a_receiver_late_with_its_credits_holds_back_only_its_own_regions(tmp_path, provider, straggler):
+    """A rank reads round 1, then gives no credit until the others have finished all 6 rounds (3 lanes): their rounds
+    5 and 6 cannot go to it (its lanes are still unread) but must go to each other. The straggler is first in the
+    others' order of remote ranks (rank 0: found by the pump's pass that asks every receiver) or last (rank 2: the
+    in-order pass gets there)."""
+    if provider not in AVAILABLE:
+        pytest.skip(f"libfabric provider {provider} not built in")
+    results = run_ranks(tmp_path, 3, provider, rounds=6, mode="straggler", straggler=straggler)
+    for r, res in results.items():
+        assert res == {"rank": r, "rounds": 6, "error": "", "bad_regions": []}, res
 
 
 @pytest.mark.parametrize("provider", ["tcp", "shm"])

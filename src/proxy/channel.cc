@@ -161,32 +161,48 @@ void Channel::Post(uint64_t round, const fabric::MemoryRegion& src, const std::v
   }
 }
 
-bool Channel::CanPost(uint64_t round) {
-  Cursor& c = credit_cursor_;
-  if (c.round != round) c = {round, 0};
-  for (; c.next < int64_t(remote_ranks_.size()); ++c.next) {
-    if (!CreditOk(remote_ranks_[c.next], round)) return false;
+uint64_t Channel::PostAreas(uint64_t ready, const fabric::MemoryRegion& area, const uint64_t* words) {
+  const size_t m = remote_ranks_.size();
+  if (m == 0 || posted_all_ >= ready) {
+    if (m == 0 && ready > posted_all_) posted_all_ = ready;
+    waiting_passes_ = 0;
+    return posted_all_;
   }
-  return true;
-}
-
-bool Channel::PostArea(uint64_t round, const fabric::MemoryRegion& area, const uint64_t* bytes) {
-  if (!CanPost(round)) return false;
-  if (remote_ranks_.empty()) return true;
+  posted_to_.resize(m, posted_all_);
+  const bool every = ++waiting_passes_ % kStragglerPasses == 0;
+  std::vector<int32_t> ranks;
   std::vector<uint64_t> offsets, lengths;
-  for (size_t i = 0; i < remote_ranks_.size(); ++i) {
-    const int32_t p = remote_ranks_[i];
-    // Read once: the device may rewrite the word, and the length checked must be the length posted.
-    const uint64_t b = __atomic_load_n(bytes + p, __ATOMIC_RELAXED);
-    if (b > lanes().region_bytes) {
-      Throw(ErrorCode::kInvalidArgument, std::string(config_.name) + ": the device announced a region of " +
-                                             std::to_string(b) + " bytes, more than a region holds");
+  for (uint64_t round = posted_all_ + 1; round <= ready; ++round) {
+    ranks.clear();
+    offsets.clear();
+    lengths.clear();
+    const uint64_t* bytes = words + lanes().Lane(round) * num_ranks();
+    for (size_t i = 0; i < m; ++i) {
+      if (posted_to_[i] != round - 1) continue;  // has it already, or is behind with an earlier one
+      const int32_t p = remote_ranks_[i];
+      if (!CreditOk(p, round)) {
+        if (every) continue;
+        break;  // in order: the next pass asks this one first
+      }
+      // Read once: the device may rewrite the word, and the length checked must be the length posted.
+      const uint64_t b = __atomic_load_n(bytes + p, __ATOMIC_RELAXED);
+      if (b > lanes().region_bytes) {
+        Throw(ErrorCode::kInvalidArgument, std::string(config_.name) + ": the device announced a region of " +
+                                               std::to_string(b) + " bytes, more than a region holds");
+      }
+      ranks.push_back(p);
+      offsets.push_back(lanes().Offset(round, own_slot_[i]));
+      lengths.push_back(b);
     }
-    offsets.push_back(lanes().Offset(round, own_slot_[i]));
-    lengths.push_back(b);
+    if (ranks.empty()) continue;  // a receiver ahead may still take the next round
+    Post(round, area, offsets, ranks, lengths);  // one scatter when it goes to every remote rank at once
+    for (int32_t p : ranks) posted_to_[size_t(remote_index_[p])] = round;
   }
-  Post(round, area, offsets, remote_ranks_, lengths);
-  return true;
+  uint64_t least = ready;
+  for (uint64_t r : posted_to_) least = r < least ? r : least;
+  if (least > posted_all_) waiting_passes_ = 0;
+  posted_all_ = least;
+  return posted_all_;
 }
 
 void Channel::Flush() {

@@ -92,13 +92,15 @@ class Channel {
   // is given, without the lock: in place in a same-process receiver when it has credit, else in staging.
   using Fill = std::function<void(const std::vector<uint8_t*>& regions)>;
   void Send(uint64_t round, const std::vector<int32_t>& rows, const Fill& fill);
-  // Posts `round` from a send area the device filled (laid out as our receive buffer: [K lanes][S slots] regions,
-  // rank p's in slot config().slots.Slot(rank, p); bytes[p] of rank p's region) to the remote ranks: false, posting
-  // nothing, while one of them has not given credit for it. For a device that packs its own regions (a GPU through
-  // the Pump). Under the lock.
-  bool PostArea(uint64_t round, const fabric::MemoryRegion& area, const uint64_t* bytes);
-  // Every remote receiver gave credit for `round`'s lane: PostArea would post it now.
-  bool CanPost(uint64_t round);
+  // Posts the rounds up to `ready` of a send area the device filled (laid out as our receive buffer: [K lanes][S
+  // slots] regions, rank p's in slot config().slots.Slot(rank, p); words[lane * N + p]: the bytes of rank p's region
+  // of a round in that lane) to the remote ranks, each as far as its own credits allow, rounds in order: a receiver
+  // late with its credits holds back its own regions only. Returns the last round every remote rank was posted. A
+  // waiting pass asks, per round, the receivers due it in order up to the first without credit (a look-up a round
+  // while all wait: at most K); every kStragglerPasses-th waiting pass asks every one, so that the others go on past
+  // a straggler. For a device that packs its own regions (a GPU through the Pump). Under the lock.
+  uint64_t PostAreas(uint64_t ready, const fabric::MemoryRegion& area, const uint64_t* words);
+  static constexpr uint32_t kStragglerPasses = 64;
   // The lock the Proxy or Pump gave this channel.
   std::mutex& mu() const { return mu_; }
   // Delivers queued regions whose receivers gave credit since (the progress thread). Under the lock.
@@ -137,7 +139,7 @@ class Channel {
   std::condition_variable& cv_;
   std::vector<int32_t> remote_ranks_;  // ranks of other processes
   std::vector<int64_t> remote_index_;  // [N]: position in remote_ranks_, or -1 for a same-process rank
-  // Per remote rank (remote_ranks_ order): its region in our send area (PostArea), and where ours is in its receive
+  // Per remote rank (remote_ranks_ order): its region in our send area (PostAreas), and where ours is in its receive
   // buffer, whose lanes hold `peer_slots` regions (RegionSlots: a receiver on a smaller node holds more).
   std::vector<int64_t> own_slot_, slot_at_peer_, peer_slots_;
   // Byte offset of our region of `round` in the receive buffer of remote_ranks_[i].
@@ -162,7 +164,12 @@ class Channel {
     uint64_t round = 0;
     int64_t next = 0;  // ranks before it were seen for `round`
   };
-  Cursor arrived_cursor_, credit_cursor_;
+  Cursor arrived_cursor_;
+  // PostAreas: the last round posted to each remote rank (remote_ranks_ order), to every one, and the passes it has
+  // waited for a credit since it last posted to all.
+  std::vector<uint64_t> posted_to_;
+  uint64_t posted_all_ = 0;
+  uint32_t waiting_passes_ = 0;
 };
 
 // "[1, 3]"

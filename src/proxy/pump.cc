@@ -104,13 +104,14 @@ bool Pump::Step(Link& link, State& st) {
   Channel& ch = *link.channel;
   bool moved = false;
   const uint64_t rung = Load(link.bell + kRung);
-  const Lanes& lanes = ch.lanes();
   const size_t index = size_t(&link - links_.data());
   auto& trace = traces_[index];
   if (rung > 0 && rung <= kTraceRounds && trace[rung - 1][0] == 0) trace[rung - 1][0] = NowNs();
-  // The hook runs as soon as the device rang (its copy overlaps the wait for credits); PostArea checks the credits.
-  while (st.posted < rung && (!hooks_.before_post || hooks_.before_post(index, st.posted + 1)) &&
-         ch.PostArea(st.posted + 1, *link.area, link.bytes + lanes.Lane(st.posted + 1) * ch.num_ranks())) {
+  // The hook runs as soon as the device rang (its copy overlaps the wait for credits), rounds in order; then each
+  // receiver gets the rounds the hook released as its own credits come (Channel::PostAreas).
+  while (st.hooked < rung && (!hooks_.before_post || hooks_.before_post(index, st.hooked + 1))) ++st.hooked;
+  const uint64_t posted = ch.PostAreas(st.hooked, *link.area, link.bytes);
+  while (st.posted < posted) {  // posted to every remote rank
     ++st.posted;
     if (st.posted <= kTraceRounds) trace[st.posted - 1][1] = NowNs();
     ch.NextSendRound();

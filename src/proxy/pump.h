@@ -81,7 +81,7 @@ class Pump {
 
  private:
   struct State {
-    uint64_t posted = 0, flagged = 0, released = 0;
+    uint64_t hooked = 0, posted = 0, flagged = 0, released = 0;  // hooked: before_post said ready up to it
     double waiting_since = -1;  // when the device rang a round whose arrivals are still missing
     uint32_t waits = 0;         // passes spent waiting (the clock is read every 256th)
   };

@@ -7,6 +7,8 @@ Communicators per rank, whose pumps share the rank's engine, rung in an order th
 device side's hooks say "not yet" 200 times a round before each post and each arrival flag, as a GPU's copy engine),
 stuck (rank 0's arrival hook never says yes: its pump must stop, saying why). Ranks exchange engine addresses through
 files in DIR; each writes DIR/result.RANK (JSON).
+straggler (rank $PUMP_STRAGGLER reads round 1, then holds its credits until the others have finished every round,
+which they can only where a late receiver holds back its own regions and not the others').
 $PUMP_NODES ("0,0,1,2": every rank's node; modes ok and slow): the buffers hold regions for the ranks on other nodes
 only, as a GPU's do, and only those ranks exchange rounds (same-node ranks are the GPU's business over NVLink); the
 result then also gives the regions per lane of this rank's receive buffer ("slots").
@@ -105,6 +107,7 @@ def main():
                                                                                  others) if q in remote])
     pr.start(not_ready={"slow": 200, "stuck": -1 if rank == 0 else 0}.get(mode, 0))
     result = {"rank": rank, "rounds": 0, "error": "", "bad_regions": []}
+    straggler = mode == "straggler" and rank == int(os.environ.get("PUMP_STRAGGLER", "-1"))
     if nodes:
         result["slots"] = pr.buffer_bytes // (LANES * pr.region_bytes)
     try:
@@ -120,10 +123,19 @@ def main():
                 overflow = mode == "overflow" and rank == 1 and k == 2
                 pr.set_bytes(k, p, pr.region_bytes + 64 if overflow else len(data))
             pr.ring(pt.RUNG, k)
+            if straggler and k > 1:
+                continue  # reads later, below
             wait(pr, pt.ARRIVED, k, "arrived")
             check_arrivals(pr, k, rank, n, result, nodes=nodes)
             pr.ring(pt.READ, k)
             result["rounds"] = k
+        if straggler:  # the others must finish without our credits for rounds 2 and on
+            others_done(d, rank, n, deadline=time.monotonic() + 3 * TIMEOUT_S)
+            for k in range(2, rounds + 1):
+                wait(pr, pt.ARRIVED, k, "arrived")
+                check_arrivals(pr, k, rank, n, result, nodes=nodes)
+                pr.ring(pt.READ, k)
+                result["rounds"] = k
     except RuntimeError as e:
         result["error"] = str(e)
     save(d, rank, result)
