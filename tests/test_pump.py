@@ -72,6 +72,9 @@ def test_a_receiver_late_with_its_credits_holds_back_only_its_own_regions(tmp_pa
         pytest.skip(f"libfabric provider {provider} not built in")
     results = run_ranks(tmp_path, 3, provider, rounds=6, mode="straggler", straggler=straggler)
     for r, res in results.items():
+        # `sent` (the lanes the device may rewrite) never passes what every receiver has: the straggler's credit
+        # for round 1 lets rounds up to 1 + 3 lanes go to it
+        assert r == straggler or res.pop("sent") <= 4, res
         assert res == {"rank": r, "rounds": 6, "error": "", "bad_regions": []}, res
 
 

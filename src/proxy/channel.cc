@@ -184,7 +184,8 @@ uint64_t Channel::PostAreas(uint64_t ready, const fabric::MemoryRegion& area, co
         if (every) continue;
         break;  // in order: the next pass asks this one first
       }
-      // Read once: the device may rewrite the word, and the length checked must be the length posted.
+      // Read once, so that the length checked is the length posted, whatever a faulty device writes (a sound one
+      // rewrites this lane only after kSent says every receiver had the round).
       const uint64_t b = __atomic_load_n(bytes + p, __ATOMIC_RELAXED);
       if (b > lanes().region_bytes) {
         Throw(ErrorCode::kInvalidArgument, std::string(config_.name) + ": the device announced a region of " +

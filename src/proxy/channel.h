@@ -95,10 +95,11 @@ class Channel {
   // Posts the rounds up to `ready` of a send area the device filled (laid out as our receive buffer: [K lanes][S
   // slots] regions, rank p's in slot config().slots.Slot(rank, p); words[lane * N + p]: the bytes of rank p's region
   // of a round in that lane) to the remote ranks, each as far as its own credits allow, rounds in order: a receiver
-  // late with its credits holds back its own regions only. Returns the last round every remote rank was posted. A
-  // waiting pass asks, per round, the receivers due it in order up to the first without credit (a look-up a round
-  // while all wait: at most K); every kStragglerPasses-th waiting pass asks every one, so that the others go on past
-  // a straggler. For a device that packs its own regions (a GPU through the Pump). Under the lock.
+  // late with its credits holds back its own regions only, after at most kStragglerPasses waiting passes. Returns the
+  // last round every remote rank was posted. A waiting pass asks, per round, the receivers due it in order up to the
+  // first without credit (a look-up a round while all wait: at most K), so until then a late receiver also holds
+  // back those after it in rank order; every kStragglerPasses-th waiting pass asks every one. For a device that
+  // packs its own regions (a GPU through the Pump). Under the lock.
   uint64_t PostAreas(uint64_t ready, const fabric::MemoryRegion& area, const uint64_t* words);
   static constexpr uint32_t kStragglerPasses = 64;
   // The lock the Proxy or Pump gave this channel.
@@ -156,10 +157,10 @@ class Channel {
   std::vector<std::deque<Outgoing>> queue_;  // [N] regions waiting for the receiver's credit, in round order
   std::vector<uint64_t> remote_credits_;     // [N][K] rounds of a lane a remote receiver released
   std::vector<uint64_t> remote_rounds_;      // [N][K] rounds of a lane a remote sender delivered
-  // A pass of the proxy asks every round's arrivals and credits again until they are all in, and with N ranks that
-  // was N look-ups of the engine's banked immediates per question. Once a rank's region (or credit) for a round is
-  // here it stays here, so each question resumes at the first rank not yet seen for its round: a pass that finds
-  // nothing new costs one look-up, not N. Guarded by mu_.
+  // A pass of the proxy asks a round's arrivals again until they are all in, and with N ranks that was N look-ups of
+  // the engine's banked immediates per question. Once a rank's region for a round is here it stays here, so the
+  // question resumes at the first rank not yet seen for its round: a pass that finds nothing new costs one look-up,
+  // not N (credits: PostAreas asks in order up to the first without). Guarded by mu_.
   struct Cursor {
     uint64_t round = 0;
     int64_t next = 0;  // ranks before it were seen for `round`

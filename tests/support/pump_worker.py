@@ -129,6 +129,8 @@ def main():
             check_arrivals(pr, k, rank, n, result, nodes=nodes)
             pr.ring(pt.READ, k)
             result["rounds"] = k
+        if mode == "straggler" and not straggler:  # every round, but not to the straggler past round 1 + LANES
+            result["sent"] = pr.bell(pt.SENT)
         if straggler:  # the others must finish without our credits for rounds 2 and on
             others_done(d, rank, n, deadline=time.monotonic() + 3 * TIMEOUT_S)
             for k in range(2, rounds + 1):
