@@ -121,12 +121,17 @@ def wire_bytes(rec: dict) -> dict[str, int]:
             "combine": round(rec.get("remote_combine_bytes_sent", rec["remote_combine_bytes"]))}
 
 
+def rec_key(rec: dict) -> tuple[str, int, str]:
+    """(shape, tokens, backend): what a moe record is matched by across runs."""
+    return rec["shape"], int(rec["tokens"]), rec["backend"]
+
+
 def rec_floors(rec: dict, ep1: Ep1, wire: Wire, both: Wire = "not measured",
                copy_gbps: Union[float, str, None] = None, twin: Ep1 = "not measured") -> dict[str, dict]:
     """Every operation of a moe record beside its floor (and `both`, the one-way with both directions loaded; with
     `copy_gbps`, a staged run's copies, or why it has none; `twin`, the EP1 run with the GPU's processes all running
     it at once: see op_floor)."""
-    key = (rec["shape"], int(rec["tokens"]), rec["backend"])
+    key = rec_key(rec)
     mine = ep1 if isinstance(ep1, str) else ep1.get(key, f"the EP1 run has no {key[0]} T={key[1]} {key[2]}")
     twins = {} if isinstance(twin, str) else twin.get(key, {})
     nbytes = wire_bytes(rec)
@@ -148,7 +153,7 @@ def rec_floors(rec: dict, ep1: Ep1, wire: Wire, both: Wire = "not measured",
 # --- the runs' JSON -------------------------------------------------------------------------------------------------
 def parse_ep1(doc: dict) -> dict:
     """EP1 p50 per operation by (shape, tokens, backend), from the moe benchmark's results.json."""
-    return {(r["shape"], int(r["tokens"]), r["backend"]): {op: (r["stats"].get(op) or {}).get("p50") for op in OPS}
+    return {rec_key(r): {op: (r["stats"].get(op) or {}).get("p50") for op in OPS}
             for r in doc["results"]}
 
 
@@ -177,7 +182,7 @@ def twin_overlap(docs: list[dict]) -> Optional[float]:
         for r in d["results"]:
             if "wall" not in r:
                 return None
-            spans.setdefault((r["shape"], int(r["tokens"]), r["backend"]), []).append(r["wall"])
+            spans.setdefault(rec_key(r), []).append(r["wall"])
     if not spans:
         return None
     least = 1.0

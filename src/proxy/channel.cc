@@ -35,6 +35,7 @@ Channel::Channel(const ChannelConfig& config, const std::vector<bool>& remote,
     slot_at_peer_.push_back(slots.Slot(p, config.rank));
     peer_slots_.push_back(slots.Slots(p));
   }
+  posted_to_.assign(remote_ranks_.size(), 0);
   JAX_MOE_REQUIRE(remote_ranks_.empty() || engine_, "Channel: ranks in other processes need a TransferEngine");
   JAX_MOE_REQUIRE(remote_ranks_.size() == size_t(n) || local_, "Channel: ranks of this process need the device side");
   queue_.resize(n);
@@ -168,7 +169,6 @@ uint64_t Channel::PostAreas(uint64_t ready, const fabric::MemoryRegion& area, co
     waiting_passes_ = 0;
     return posted_all_;
   }
-  posted_to_.resize(m, posted_all_);
   const bool every = ++waiting_passes_ % kStragglerPasses == 0;
   std::vector<int32_t> ranks;
   std::vector<uint64_t> offsets, lengths;

@@ -42,7 +42,6 @@ class RegionSlots {
     for (int64_t r = 0; r < peer; ++r) s += node_[size_t(r)] != node_[size_t(owner)];
     return s;
   }
-  bool other_nodes() const { return other_nodes_; }
 
  private:
   RegionSlots(std::vector<int32_t> node, bool other_nodes) : node_(std::move(node)), other_nodes_(other_nodes) {}
