@@ -100,12 +100,14 @@ def _breakdown(comm, rounds: int, stream: int) -> Optional[dict]:
 
 
 _TRACE_HALVES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
-_TRACE_POINTS = ("start", "waited", "work", "end")
+# kernels/moe_layout.h's TracePoint; the pack points are dispatch_send's blocks for ranks on other nodes
+_TRACE_POINTS = ("start", "waited", "work", "end", "pack_indexed", "pack_free", "pack_written", "bell")
 
 
 def trace_summary(comm, ops: tuple = ("dispatch", "combine")) -> Optional[dict]:
     """Median device-side timeline of an iteration per GPU (JAX_MOE_CUDA_TRACE=1): every half of `ops`, its start, end
-    of its waits on peers, end of its block 0's work, and end, in us after that GPU's start of the first op's send
+    of its waits on peers, end of its block 0's work, and end (with ranks on other nodes, dispatch_send's pack phases
+    too: _TRACE_POINTS), in us after that GPU's start of the first op's send
     half (rounds where every half of `ops` ran). (GPUs' clocks are not synchronised: only times on one GPU are
     compared.)"""
     if os.environ.get("JAX_MOE_CUDA_TRACE") != "1" or not hasattr(comm.backend, "read_trace"):
@@ -120,7 +122,8 @@ def trace_summary(comm, ops: tuple = ("dispatch", "combine")) -> Optional[dict]:
             continue
         rel = (tr[used] - tr[used][:, :1, :1]) / 1e3
         out[ordinal] = {f"{_TRACE_HALVES[h]}.{p}": float(np.median(rel[:, i, j]))
-                        for i, h in enumerate(halves) for j, p in enumerate(_TRACE_POINTS)}
+                        for i, h in enumerate(halves) for j, p in enumerate(_TRACE_POINTS[:tr.shape[2]])
+                        if (tr[used][:, i, j] > 0).all()}  # a point the half does not record stays 0
     for ordinal, row in out.items():
         print(f"[moe] trace gpu{ordinal}: " + " ".join(f"{k}={v:.1f}" for k, v in row.items()), flush=True)
     return out

@@ -30,23 +30,27 @@ __device__ inline void DispatchPackBody(const KernelArgs& a, const DispatchSendI
   const FabricArgs& fab = a.fab[0];
   const int b = block % per_rank;
   const int p = RemoteRank(a, block / per_rank);
-  // The NIC must be done with this lane's previous round before it is rewritten. Pack block 0 (block 0 of the
-  // launch) polls the host word; the others wait on its device copy (WaitFabric).
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const bool head = block == 0 && threadIdx.x == 0;  // pack block 0's thread 0: polls the host, stamps the trace
+  // The NIC must be done with this lane's previous round before it is rewritten (the proxy's kSent). Pack block 0
+  // starts its read of the host word (a PCIe round trip) before the index and uses it after, so the two overlap;
+  // the other blocks wait on its device copy (WaitFabric). The index reads topk_idx only, so it needs no wait.
+  const unsigned long long early = head ? LoadRelaxedSys(fab.bell + proxy::kSent) : 0;
+  RankIndex ix = IndexOf(a, 0, p);
+  if (fold && p >= 0) {  // p: the same for the whole block
+    const int chunks = (tokens + kIndexChunk - 1) / kIndexChunk;  // <= kWarps
+    ix = SharedIndex(own, l);
+    if (warp < chunks) MarkChunk(a, p, warp, tokens, idx, true, ix.mask + warp, ix.bits + warp * l);
+    __syncthreads();
+    IndexPrefixes<false>(a, ix, chunks, true, sums);
+  }
+  if (head) Trace(a, kDispatchSend, epoch, kTracePackIndexed);
   if (threadIdx.x == 0)
     free_ok = p >= 0 && WaitFabric(a, fab, proxy::kSent, SlotPredecessor(epoch), kDispatchAck * kWaitStride + p, 0,
-                                   Part{block, blocks});
+                                   Part{block, blocks}, early);
   __syncthreads();
+  if (head) Trace(a, kDispatchSend, epoch, kTracePackFree);
   if (free_ok) {  // the same for the whole block
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    RankIndex ix = IndexOf(a, 0, p);
-    if (fold) {
-      const int chunks = (tokens + kIndexChunk - 1) / kIndexChunk;  // <= kWarps
-      ix = SharedIndex(own, l);
-      if (warp < chunks) MarkChunk(a, p, warp, tokens, idx, true, ix.mask + warp, ix.bits + warp * l);
-      __syncthreads();
-      IndexPrefixes<false>(a, ix, chunks, true, sums);
-      __syncthreads();
-    }
     uint8_t* region = SendRegion(fab, a, epoch, p);
     int32_t* list = reinterpret_cast<int32_t*>(region + FabricHeaderBytes(s));
     uint8_t* records = region + FabricRecordsOffset(s);
@@ -78,12 +82,14 @@ __device__ inline void DispatchPackBody(const KernelArgs& a, const DispatchSendI
   }
   // Every pack block's stores reach host memory before the proxy sees the bell (as FinishPart orders a launch's end).
   __syncthreads();
+  if (head) Trace(a, kDispatchSend, epoch, kTracePackWritten);
   if (threadIdx.x == 0) {
     __threadfence_system();
     LocalSync* ls = Local(a);
     if (atomicAdd(&ls->pack_done, 1u) == static_cast<unsigned>(blocks) - 1) {
       ls->pack_done = 0;
       __threadfence_system();
+      Trace(a, kDispatchSend, epoch, kTracePackBell);
       if (!*reinterpret_cast<volatile int*>(&ls->timed_out)) StoreReleaseSys(fab.bell + proxy::kRung, epoch);
     }
   }

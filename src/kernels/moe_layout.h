@@ -39,10 +39,21 @@ constexpr unsigned long long kErrorBody = (1ull << kErrorSeqShift) - 1;
 
 // Device-side trace (JAX_MOE_CUDA_TRACE=1, for the benchmark): per half and epoch (ring of kTraceRing), the
 // %globaltimer at block 0's start, when block 0's waits on peers were over, when block 0's work was done, and when
-// the last block finished (just before it signals the peers).
+// the last block finished (just before it signals the peers). dispatch_send's pack blocks (ranks on other nodes) add
+// their own phases, from pack block 0: its index ready (folded, or the index kernel's), the lane free (the proxy's
+// kSent seen), its tokens written; and the last pack block's bell. Zero where a half has no such phase.
 constexpr int kTraceRing = 64;
-constexpr int kTracePoints = 4;
-enum TracePoint { kTraceStart = 0, kTraceWaited = 1, kTraceWork = 2, kTraceEnd = 3 };
+constexpr int kTracePoints = 8;
+enum TracePoint {
+  kTraceStart = 0,
+  kTraceWaited = 1,
+  kTraceWork = 2,
+  kTraceEnd = 3,
+  kTracePackIndexed = 4,
+  kTracePackFree = 5,
+  kTracePackWritten = 6,
+  kTracePackBell = 7,
+};
 
 using proxy::MoeShape;
 using proxy::AlignUp;

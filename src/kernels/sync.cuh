@@ -13,6 +13,17 @@ __device__ __forceinline__ unsigned long long LoadAcquireSys(const unsigned long
   return v;
 }
 
+// A relaxed read, issued now and waited for only where its value is first used: a caller can start a read of host
+// memory (a PCIe round trip) before other work. Pair it with FenceAcquireSys where it must order what follows.
+__device__ __forceinline__ unsigned long long LoadRelaxedSys(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// After a relaxed read, makes it an acquire (the fence-based pattern of the PTX memory model).
+__device__ __forceinline__ void FenceAcquireSys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
 __device__ __forceinline__ void StoreReleaseSys(unsigned long long* p, unsigned long long v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
@@ -91,11 +102,18 @@ __device__ __forceinline__ void MaxReleaseSys(unsigned long long* p, unsigned lo
 // the proxy made visible before it raised the word, without a read of its own over PCIe: every block polling host
 // memory flooded the link that the receive kernels read their rows through, when the rows are in host memory.
 // Part 0 polls: only a half's own kernel waits on the fabric (never the one-shot kernel), and there part 0 is block 0
-// (dispatch_send's pack blocks come first in its launch, and are given their block index as their part).
+// (dispatch_send's pack blocks come first in its launch, and are given their block index as their part). `early`:
+// part 0's LoadRelaxedSys of the host word, started before other work, so that where it already suffices the wait
+// costs no PCIe round trip of its own (0: none).
 __device__ __forceinline__ bool WaitFabric(const KernelArgs& a, const FabricArgs& f, int word, unsigned long long want,
-                                           int which, int stream, Part part) {
+                                           int which, int stream, Part part, unsigned long long early = 0) {
   unsigned long long* seen = &Local(a)->fab_seen[stream][word == proxy::kSent ? 0 : 1];
   if (LoadAcquireSys(seen) >= want) return true;
+  if (part.id == 0 && early >= want) {
+    FenceAcquireSys();
+    MaxReleaseSys(seen, early);
+    return true;
+  }
   volatile int* timed_out = &Local(a)->timed_out;
   if (*timed_out) return false;
   const unsigned long long start = GlobalTimer();
