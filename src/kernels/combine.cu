@@ -174,21 +174,16 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Pa
   const size_t slot = RoundSlot(epoch) * a.lay.combine_slot;  // the token owners' areas of this round
   const FabricArgs& fab = a.fab[1 + ch];
   TracePart0(a, part, half, epoch, kTraceStart);
-  // Part 0's read of the lane's kSent word in host memory (a PCIe round trip) is started first and used after the
-  // route's prefix is loaded (WaitFabric below), so that the two overlap.
-  const unsigned long long early =
-      part.id == 0 && threadIdx.x == 0 && a.num_remote > 0 ? LoadRelaxedSys(fab.bell + proxy::kSent) : 0;
   // The token owners must have summed the last round in this slot before their combine areas are overwritten.
   if (threadIdx.x < n && !IsRemote(a, threadIdx.x))
     WaitAtLeast(a, Flags(a.base, a, ack) + threadIdx.x, SlotPredecessor(epoch), ack * kWaitStride + threadIdx.x);
+  if (threadIdx.x == 0)
+    free_ok = a.num_remote == 0 ||
+              WaitFabric(a, fab, proxy::kSent, SlotPredecessor(epoch), ack * kWaitStride + FirstRemote(a), 1 + ch, part);
   const long long rows = s.max_recv_rows(), entries = s.entries();
   const long long cap = FabricCombineRows(s, ch);  // rows a region of this channel holds
-  if (a.num_remote > 0)
-    for (int f = threadIdx.x; f <= blocks; f += blockDim.x) sstart[f] = route[rows + 1 + f];
-  if (threadIdx.x == 0)
-    free_ok = a.num_remote == 0 || WaitFabric(a, fab, proxy::kSent, SlotPredecessor(epoch),
-                                              ack * kWaitStride + FirstRemote(a), 1 + ch, part, early);
   if (a.num_remote > 0) {
+    for (int f = threadIdx.x; f <= blocks; f += blockDim.x) sstart[f] = route[rows + 1 + f];
     __syncthreads();
     if (threadIdx.x < n && IsRemote(a, threadIdx.x)) {
       const int q = threadIdx.x;

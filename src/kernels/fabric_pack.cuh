@@ -13,6 +13,15 @@
 
 namespace jax_moe::cuda {
 
+// The block before the pack blocks (block 0 of dispatch_send's launch) that polls the lane's kSent word in host
+// memory for them (WaitFabric as part 0) from the launch's start, while they derive the index. Its thread 0 alone
+// works.
+__device__ inline void DispatchPollBody(const KernelArgs& a, unsigned long long epoch) {
+  if (threadIdx.x == 0)
+    WaitFabric(a, a.fab[0], proxy::kSent, SlotPredecessor(epoch), kDispatchAck * kWaitStride + FirstRemote(a), 0,
+               Part{0, 1});
+}
+
 // Pack block `block` of `blocks` (per_rank for each remote rank) serves the i-th remote rank p = RemoteRank(block /
 // per_rank) from the dispatch index (IndexKernel, before this launch in stream order; with `fold`, its own copy in
 // `own`, FoldBytes of shared memory): a warp per token t = (b * kWarps + warp) + k * per_rank * kWarps writes its
@@ -31,11 +40,9 @@ __device__ inline void DispatchPackBody(const KernelArgs& a, const DispatchSendI
   const int b = block % per_rank;
   const int p = RemoteRank(a, block / per_rank);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const bool head = block == 0 && threadIdx.x == 0;  // pack block 0's thread 0: polls the host, stamps the trace
-  // The NIC must be done with this lane's previous round before it is rewritten (the proxy's kSent). Pack block 0
-  // starts its read of the host word (a PCIe round trip) before the index and uses it after, so the two overlap;
-  // the other blocks wait on its device copy (WaitFabric). The index reads topk_idx only, so it needs no wait.
-  const unsigned long long early = head ? LoadRelaxedSys(fab.bell + proxy::kSent) : 0;
+  const bool head = block == 0 && threadIdx.x == 0;  // pack block 0's thread 0 stamps the trace
+  // The index reads topk_idx only: it is derived before the wait for the lane, which DispatchPollBody's block polls
+  // meanwhile (a read of host memory here would hold the index's first barrier for a PCIe round trip).
   RankIndex ix = IndexOf(a, 0, p);
   if (fold && p >= 0) {  // p: the same for the whole block
     const int chunks = (tokens + kIndexChunk - 1) / kIndexChunk;  // <= kWarps
@@ -45,9 +52,11 @@ __device__ inline void DispatchPackBody(const KernelArgs& a, const DispatchSendI
     IndexPrefixes<false>(a, ix, chunks, true, sums);
   }
   if (head) Trace(a, kDispatchSend, epoch, kTracePackIndexed);
+  // The NIC must be done with this lane's previous round before it is rewritten (the proxy's kSent): the poll
+  // block's device copy of the host word (a part id other than 0 never reads host memory).
   if (threadIdx.x == 0)
     free_ok = p >= 0 && WaitFabric(a, fab, proxy::kSent, SlotPredecessor(epoch), kDispatchAck * kWaitStride + p, 0,
-                                   Part{block, blocks}, early);
+                                   Part{block + 1, blocks + 1});
   __syncthreads();
   if (head) Trace(a, kDispatchSend, epoch, kTracePackFree);
   if (free_ok) {  // the same for the whole block

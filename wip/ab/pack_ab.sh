@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A/B of the pack's early kSent read (A: this tree) against the wait before the index (B: wip/ab/pack-wait-first.patch),
+# A/B of the pack blocks beside a poll block (A: this tree) against pack block 0 polling before the index (B:
+# wip/ab/pack-wait-first.patch: the kernels of c116633 with the pack phases traced),
 # rebuilt between runs, decode across two "nodes" on one GPU (staged shm), in the order A B A B.
 ROOT=$(pwd)
 base=${OUT:-gpu_out}
@@ -8,7 +9,10 @@ for v in ${AB_ORDER:-A B A B}; do
   i=$((i + 1))
   [ "$v" = B ] && patch -s -p1 < wip/ab/pack-wait-first.patch
   OUT=$base/$i$v NODES_PROVIDERS=${NODES_PROVIDERS:-shm} NODES_MEMORY=staged NODES_SHAPE=${NODES_SHAPE:-decode} \
-    NODES_ITERS=${NODES_ITERS:-100} bash tests/gpu/device_run.sh build,nodes 2>&1 | grep -E "SUMMARY|trace gpu0|dispatch|combine" | head -30
+    NODES_ITERS=${NODES_ITERS:-100} bash tests/gpu/device_run.sh build,nodes 2>&1 | grep -E "SUMMARY|trace gpu0|^(decode|prefill) .*(dispatch_send|combine_send|dispatch |combine ) "
   [ "$v" = B ] && patch -s -R -p1 < wip/ab/pack-wait-first.patch
 done
+# then the cross-node GPU tests on A (this tree, rebuilt)
+[ -n "$AB_TESTS" ] && OUT=$base/tests GPU_TESTS=tests/gpu/test_cuda_nodes.py bash tests/gpu/device_run.sh build,gpu 2>&1 |
+  grep -E "SUMMARY|FAILED|Error" | head -20
 cat "$base"/*/summary.txt
