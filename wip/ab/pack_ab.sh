@@ -4,6 +4,9 @@
 # rebuilt between runs, decode across two "nodes" on one GPU (staged shm), in the order A B A B.
 ROOT=$(pwd)
 base=${OUT:-gpu_out}
+# $AB_VERIFY: first the one-call verification of this tree (GPU suite, demo)
+[ -n "$AB_VERIFY" ] && OUT=$base/0verify bash tests/gpu/device_run.sh build,gpu,demo 2>&1 |
+  grep -E "SUMMARY|FAILED|Error|(passed|failed) in" | tail -20
 i=0
 for v in ${AB_ORDER:-A B A B}; do
   i=$((i + 1))
@@ -12,7 +15,4 @@ for v in ${AB_ORDER:-A B A B}; do
     NODES_ITERS=${NODES_ITERS:-100} bash tests/gpu/device_run.sh build,nodes 2>&1 | grep -E "SUMMARY|trace gpu0|^(decode|prefill) .*(dispatch_send|combine_send|dispatch |combine ) "
   [ "$v" = B ] && patch -s -R -p1 < wip/ab/pack-wait-first.patch
 done
-# then the cross-node GPU tests on A (this tree, rebuilt)
-[ -n "$AB_TESTS" ] && OUT=$base/tests GPU_TESTS=tests/gpu/test_cuda_nodes.py bash tests/gpu/device_run.sh build,gpu 2>&1 |
-  grep -E "SUMMARY|FAILED|Error" | head -20
 cat "$base"/*/summary.txt
