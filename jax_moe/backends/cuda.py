@@ -347,8 +347,8 @@ class CudaBackend(NativeBackend):
 
         Zeros unless JAX_MOE_CUDA_TRACE=1 was set when the Communicator was made. Halves: dispatch send, dispatch
         recv, combine send, combine recv (channel 0), then combine send/recv of channel 1. Points: start, waited, work,
-        end, then dispatch_send's pack phases (ranks on other nodes; bench.diagnostics names them), 0 where a half
-        records none. Synchronous."""
+        end, then the send halves' fabric phases (ranks on other nodes; bench.diagnostics names them), 0 where a
+        half records none. Synchronous."""
         shape = self._mod.trace_shape()
         return {d.local_id: np.asarray(self._mod.read_trace(self.native_id, d.local_id), np.uint64).reshape(shape)
                 for d in self._local()}

@@ -100,8 +100,8 @@ def _breakdown(comm, rounds: int, stream: int) -> Optional[dict]:
 
 
 _TRACE_HALVES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
-# kernels/moe_layout.h's TracePoint; the pack points are dispatch_send's blocks for ranks on other nodes
-_TRACE_POINTS = ("start", "waited", "work", "end", "pack_indexed", "pack_free", "pack_written", "bell")
+# kernels/moe_layout.h's TracePoint; the last four are the send halves' fabric phases (ranks on other nodes)
+_TRACE_POINTS = ("start", "waited", "work", "end", "indexed", "free", "written", "bell")
 
 
 def trace_summary(comm, ops: tuple = ("dispatch", "combine")) -> Optional[dict]:

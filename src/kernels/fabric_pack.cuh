@@ -51,14 +51,14 @@ __device__ inline void DispatchPackBody(const KernelArgs& a, const DispatchSendI
     __syncthreads();
     IndexPrefixes<false>(a, ix, chunks, true, sums);
   }
-  if (head) Trace(a, kDispatchSend, epoch, kTracePackIndexed);
+  if (head) Trace(a, kDispatchSend, epoch, kTraceIndexed);
   // The NIC must be done with this lane's previous round before it is rewritten (the proxy's kSent): the poll
   // block's device copy of the host word (a part id other than 0 never reads host memory).
   if (threadIdx.x == 0)
     free_ok = p >= 0 && WaitFabric(a, fab, proxy::kSent, SlotPredecessor(epoch), kDispatchAck * kWaitStride + p, 0,
                                    Part{block + 1, blocks + 1});
   __syncthreads();
-  if (head) Trace(a, kDispatchSend, epoch, kTracePackFree);
+  if (head) Trace(a, kDispatchSend, epoch, kTraceFree);
   if (free_ok) {  // the same for the whole block
     uint8_t* region = SendRegion(fab, a, epoch, p);
     int32_t* list = reinterpret_cast<int32_t*>(region + FabricHeaderBytes(s));
@@ -91,14 +91,14 @@ __device__ inline void DispatchPackBody(const KernelArgs& a, const DispatchSendI
   }
   // Every pack block's stores reach host memory before the proxy sees the bell (as FinishPart orders a launch's end).
   __syncthreads();
-  if (head) Trace(a, kDispatchSend, epoch, kTracePackWritten);
+  if (head) Trace(a, kDispatchSend, epoch, kTraceWritten);
   if (threadIdx.x == 0) {
     __threadfence_system();
     LocalSync* ls = Local(a);
     if (atomicAdd(&ls->pack_done, 1u) == static_cast<unsigned>(blocks) - 1) {
       ls->pack_done = 0;
       __threadfence_system();
-      Trace(a, kDispatchSend, epoch, kTracePackBell);
+      Trace(a, kDispatchSend, epoch, kTraceBell);
       if (!*reinterpret_cast<volatile int*>(&ls->timed_out)) StoreReleaseSys(fab.bell + proxy::kRung, epoch);
     }
   }
