@@ -9,8 +9,8 @@
 
 namespace jax_moe::cuda {
 
-// dispatch_send's pack blocks (fabric_pack.cuh), `blocks` after its block 0 (which polls for them): per_rank for each
-// remote rank; `fold`: each derives the index in `smem` bytes of its shared memory (decode), else the index kernel runs first.
+// dispatch_send's pack blocks (fabric_pack.cuh), the first `blocks` of its kernel: per_rank for each remote rank;
+// `fold`: each derives the index in `smem` bytes of its shared memory (decode), else the index kernel runs first.
 struct PackPlan {
   int blocks = 0;  // 0: no remote ranks
   int per_rank = 0;

@@ -141,10 +141,8 @@ def check_fabric_memory(comm) -> None:
         stages = asked == "staged" or (asked == "auto" and os.environ.get("CUDA_MODULE_LOADING") == "EAGER"
                                        and os.environ.get("JAX_MOE_CUDA_COMMAND_BUFFERS", "0") != "1")
         assert bool(i.get("staged")) == stages, f"fabric_memory={asked}: staged is {i.get('staged')}: {info}"
-        # the areas hold a region per rank on another node, none for this node's ranks: what was allocated, per stream
+        # the areas hold a region per rank on another node, none for this node's ranks
         assert i["regions_per_lane"] == i["remote_ranks"] > 0, f"areas not sized by the remote ranks: {info}"
-        for region, area in zip(i["region_bytes"], i["send_area_bytes"]):
-            assert area == i["lanes"] * i["remote_ranks"] * region, f"an area is not lanes x remote ranks: {info}"
         if asked == "auto":  # and says which way it went
             assert ("staged through HBM instead" if stages else "not staged: ") in i["fallback"], info
         # where the preference was granted (mbind may be refused, a cpuset may exclude the node) and the kernel says

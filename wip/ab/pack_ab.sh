@@ -4,6 +4,8 @@
 # rebuilt between runs, decode across two "nodes" on one GPU (staged shm), in the order A B A B.
 ROOT=$(pwd)
 base=${OUT:-gpu_out}
+# $AB_APPLY: A is main with wip/pack-poll.patch applied (it has not landed: no GPU run verified it)
+[ -n "$AB_APPLY" ] && patch -s -p1 < wip/pack-poll.patch
 # $AB_VERIFY: first the one-call verification of this tree (GPU suite, demo)
 [ -n "$AB_VERIFY" ] && OUT=$base/0verify bash tests/gpu/device_run.sh build,gpu,demo 2>&1 |
   grep -E "SUMMARY|FAILED|Error|(passed|failed) in" | tail -20
