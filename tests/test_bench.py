@@ -376,3 +376,33 @@ def test_kernel_table_reads_the_gpu_rows_of_a_perfetto_trace(tmp_path):
     with gzip.open(tmp_path / "cpu" / "perfetto_trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events[1:3]}, f)  # a host-only trace
     assert "no GPU activity" in diagnostics.kernel_table(str(tmp_path / "cpu"))
+
+
+def test_trace_summary_names_each_recorded_point_and_drops_the_unrecorded(monkeypatch):
+    """The device trace's medians per half and point, relative to the first op's send start, in us; a point a half
+    never records (0: the send halves' fabric phases without ranks on other nodes, or kernels with 4 points) is left
+    out rather than printed as a huge negative time."""
+    import types
+
+    from jax_moe.bench import diagnostics
+    rng = np.random.default_rng()
+    ring, halves = 64, 6
+    for points in (4, 8):
+        tr = np.zeros((ring, halves, points), np.uint64)
+        used = rng.choice(ring, size=20, replace=False)
+        base = rng.integers(1 << 40, 1 << 41, size=20).astype(np.uint64)
+        offsets = {}  # (half, point) -> ns after dispatch_send's start, the same in every round
+        for h in range(4):
+            for p in range(points):
+                if p >= 4 and h != 0:  # only dispatch_send records the fabric phases here
+                    continue
+                offsets[h, p] = 0 if (h, p) == (0, 0) else int(rng.integers(1, 900_000))
+                tr[used, h, p] = base + np.uint64(offsets[h, p])
+        backend = types.SimpleNamespace(read_trace=lambda tr=tr: {3: tr})
+        monkeypatch.setenv("JAX_MOE_CUDA_TRACE", "1")
+        out = diagnostics.trace_summary(types.SimpleNamespace(backend=backend))
+        names = diagnostics._TRACE_HALVES
+        want = {f"{names[h]}.{diagnostics._TRACE_POINTS[p]}": v / 1e3 for (h, p), v in offsets.items()}
+        assert set(out[3]) == set(want), (points, sorted(set(out[3]) ^ set(want)))
+        for k, v in want.items():
+            assert abs(out[3][k] - v) < 1e-6, (k, out[3][k], v)

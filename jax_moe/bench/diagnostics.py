@@ -106,10 +106,9 @@ _TRACE_POINTS = ("start", "waited", "work", "end", "indexed", "free", "written",
 
 def trace_summary(comm, ops: tuple = ("dispatch", "combine")) -> Optional[dict]:
     """Median device-side timeline of an iteration per GPU (JAX_MOE_CUDA_TRACE=1): every half of `ops`, its start, end
-    of its waits on peers, end of its block 0's work, and end (with ranks on other nodes, dispatch_send's pack phases
-    too: _TRACE_POINTS), in us after that GPU's start of the first op's send
-    half (rounds where every half of `ops` ran). (GPUs' clocks are not synchronised: only times on one GPU are
-    compared.)"""
+    of its waits on peers, end of its block 0's work, and end, and any other point of _TRACE_POINTS the kernels record
+    (the send halves' fabric phases), in us after that GPU's start of the first op's send half (rounds where every
+    half of `ops` ran). (GPUs' clocks are not synchronised: only times on one GPU are compared.)"""
     if os.environ.get("JAX_MOE_CUDA_TRACE") != "1" or not hasattr(comm.backend, "read_trace"):
         return None
     halves = [i for i, h in enumerate(_TRACE_HALVES) if h.split("_")[0] in ops]
