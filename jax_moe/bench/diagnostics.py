@@ -119,10 +119,12 @@ def trace_summary(comm, ops: tuple = ("dispatch", "combine")) -> Optional[dict]:
         used = (tr[:, :, 0] > 0).all(axis=1)
         if not used.any():
             continue
-        rel = (tr[used] - tr[used][:, :1, :1]) / 1e3
+        rounds = tr[used]
+        rel = (rounds - rounds[:, :1, :1]) / 1e3
+        recorded = (rounds > 0).all(axis=0)  # a point the half does not record stays 0
         out[ordinal] = {f"{_TRACE_HALVES[h]}.{p}": float(np.median(rel[:, i, j]))
                         for i, h in enumerate(halves) for j, p in enumerate(_TRACE_POINTS[:tr.shape[2]])
-                        if (tr[used][:, i, j] > 0).all()}  # a point the half does not record stays 0
+                        if recorded[i, j]}
     for ordinal, row in out.items():
         print(f"[moe] trace gpu{ordinal}: " + " ".join(f"{k}={v:.1f}" for k, v in row.items()), flush=True)
     return out
