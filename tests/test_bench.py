@@ -348,7 +348,7 @@ def test_profiled_writes_a_trace_only_when_asked(tmp_path, monkeypatch):
 
 def test_kernel_table_reads_the_gpu_rows_of_a_perfetto_trace(tmp_path):
     """kernel_table: the GPU process's complete events by short name (namespaces, templates, parameters dropped),
-    p50 / p99 duration, the host's events left out."""
+    p50 / p99 duration, the p50 gap after the activity before on the same stream, the host's events left out."""
     import gzip
     import json
 
@@ -359,17 +359,21 @@ def test_kernel_table_reads_the_gpu_rows_of_a_perfetto_trace(tmp_path):
     events = [{"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}},
               {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
               {"ph": "X", "pid": 1, "name": "PjitFunction(body)", "dur": 999.0}]
-    events += [{"ph": "X", "pid": 7, "ts": i, "dur": float(d), "name": "void jax_moe::cuda::(anonymous namespace)::"
-                "DispatchPackKernel(jax_moe::cuda::KernelArgs, int)"} for i, d in enumerate(pack)]
-    events += [{"ph": "X", "pid": 7, "ts": 50, "dur": 2.0, "name": "MemcpyDtoH"}]
+    # one stream (tid 3): each pack kernel `gaps[i]` after the one before it ends; the copy on a stream of its own
+    gaps = rng.uniform(1, 9, pack.size)
+    starts = np.cumsum(gaps) + np.concatenate([[0.0], np.cumsum(pack[:-1])])
+    events += [{"ph": "X", "pid": 7, "tid": 3, "ts": float(t), "dur": float(d), "name": "void jax_moe::cuda::"
+                "(anonymous namespace)::DispatchPackKernel(jax_moe::cuda::KernelArgs, int)"} for t, d in zip(starts, pack)]
+    events += [{"ph": "X", "pid": 7, "tid": 4, "ts": 50, "dur": 2.0, "name": "MemcpyDtoH"}]
     (tmp_path / "p0" / "x").mkdir(parents=True)
     with gzip.open(tmp_path / "p0" / "x" / "perfetto_trace.json.gz", "wt") as f:
-        json.dump({"traceEvents": events}, f)
+        json.dump({"traceEvents": [events[i] for i in rng.permutation(len(events))]}, f)  # any order in the file
     table = diagnostics.kernel_table(str(tmp_path / "p0")).splitlines()
     assert len(table) == 3 and "Pjit" not in "".join(table)
-    name, count, p50, _ = table[1].split()
+    name, count, p50, _, gap = table[1].split()
     assert (name, int(count)) == ("DispatchPackKernel", 9) and abs(float(p50) - np.percentile(pack, 50)) < 0.06
-    assert table[2].split()[:2] == ["MemcpyDtoH", "1"]
+    assert abs(float(gap) - np.percentile(gaps[1:], 50)) < 0.06  # the first kernel has none before it on its stream
+    assert table[2].split()[:2] == ["MemcpyDtoH", "1"] and table[2].split()[-1] == "-"
     assert len(diagnostics.kernel_table(str(tmp_path / "p0"), rows=1).splitlines()) == 2
     assert "no GPU activity" in diagnostics.kernel_table(str(tmp_path / "empty"))
     (tmp_path / "cpu").mkdir()

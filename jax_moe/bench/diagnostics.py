@@ -43,26 +43,38 @@ def _short_name(name: str) -> str:
 
 def kernel_table(folder: str, rows: int = 16) -> str:
     """The GPU's activities (kernels, copies) in the perfetto traces under `folder`, by short name: count, p50 and p99
-    duration in us; the `rows` with the most time in all."""
+    duration in us, and the p50 gap before each: from the end of the activity before it on the same stream (tid) to
+    its start, the launch latency a stamp-to-stamp timing holds beside the kernels' own time; the `rows` with the most
+    time in all."""
     import glob
     import gzip
     import json
 
     durs: dict[str, list[float]] = {}
+    gaps: dict[str, list[float]] = {}
     for path in glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True):
         with gzip.open(path, "rt") as f:
             events = json.load(f).get("traceEvents", [])
         gpu = {e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                and "GPU" in str(e.get("args", {}).get("name", ""))}
+        streams: dict[tuple, list[dict]] = {}
         for e in events:
             if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
                 durs.setdefault(_short_name(str(e.get("name", ""))), []).append(float(e["dur"]))
+                if "ts" in e:
+                    streams.setdefault((e["pid"], e.get("tid")), []).append(e)
+        for evs in streams.values():
+            evs.sort(key=lambda e: float(e["ts"]))
+            for before, e in zip(evs, evs[1:]):
+                gap = float(e["ts"]) - (float(before["ts"]) + float(before["dur"]))
+                gaps.setdefault(_short_name(str(e.get("name", ""))), []).append(gap)
     if not durs:
         return "  (no GPU activity in the trace)"
-    lines = [f"  {'activity':40s} {'count':>6s} {'p50 us':>9s} {'p99 us':>9s}"]
+    lines = [f"  {'activity':40s} {'count':>6s} {'p50 us':>9s} {'p99 us':>9s} {'gap p50':>9s}"]
     for name, d in sorted(durs.items(), key=lambda kv: -sum(kv[1]))[:rows]:
         a = np.asarray(d)
-        lines.append(f"  {name[:40]:40s} {a.size:6d} {np.percentile(a, 50):9.1f} {np.percentile(a, 99):9.1f}")
+        g = f"{np.percentile(gaps[name], 50):9.1f}" if name in gaps else f"{'-':>9s}"
+        lines.append(f"  {name[:40]:40s} {a.size:6d} {np.percentile(a, 50):9.1f} {np.percentile(a, 99):9.1f} {g}")
     return "\n".join(lines)
 
 
