@@ -6,6 +6,8 @@ ROOT=$(pwd)
 base=${OUT:-gpu_out}
 # $AB_APPLY: A is main with wip/pack-poll.patch applied (it has not landed: no GPU run verified it)
 [ -n "$AB_APPLY" ] && patch -s -p1 < wip/pack-poll.patch
+# $AB_COMBINE: A also has wip/combine-poll.patch (combine_send's block 0 polls the lane for the other blocks), B not
+[ -n "$AB_COMBINE" ] && patch -s -p1 < wip/combine-poll.patch
 # $AB_VERIFY: first the one-call verification of this tree (GPU suite, demo)
 [ -n "$AB_VERIFY" ] && OUT=$base/0verify bash tests/gpu/device_run.sh build,gpu,demo 2>&1 |
   grep -E "SUMMARY|FAILED|Error|(passed|failed) in" | tail -20
@@ -13,9 +15,11 @@ i=0
 for v in ${AB_ORDER:-A B A B}; do
   i=$((i + 1))
   [ "$v" = B ] && patch -s -p1 < wip/ab/pack-wait-first.patch
+  [ "$v" = B ] && [ -n "$AB_COMBINE" ] && patch -s -R -p1 < wip/combine-poll.patch
   OUT=$base/$i$v NODES_PROVIDERS=${NODES_PROVIDERS:-shm} NODES_MEMORY=staged NODES_SHAPE=${NODES_SHAPE:-decode} \
     NODES_ITERS=${NODES_ITERS:-100} bash tests/gpu/device_run.sh build,nodes 2>&1 | grep -E "SUMMARY|trace gpu0|^(decode|prefill) .*(dispatch_send|combine_send|dispatch |combine ) "
   [ "$v" = B ] && patch -s -R -p1 < wip/ab/pack-wait-first.patch
+  [ "$v" = B ] && [ -n "$AB_COMBINE" ] && patch -s -p1 < wip/combine-poll.patch
 done
 # $AB_PROFILE: one more run of A under jax.profiler (the floors from the first run's cache): each kernel's duration
 # and the gap before it on its stream, beside the stamp-to-stamp p50s
