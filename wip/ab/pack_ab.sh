@@ -14,8 +14,8 @@ base=${OUT:-gpu_out}
 i=0
 for v in ${AB_ORDER:-A B A B}; do
   i=$((i + 1))
-  [ "$v" = B ] && patch -s -p1 < wip/ab/pack-wait-first.patch
   [ "$v" = B ] && [ -n "$AB_COMBINE" ] && patch -s -R -p1 < wip/combine-poll.patch
+  [ "$v" = B ] && patch -s -p1 < wip/ab/pack-wait-first.patch
   OUT=$base/$i$v NODES_PROVIDERS=${NODES_PROVIDERS:-shm} NODES_MEMORY=staged NODES_SHAPE=${NODES_SHAPE:-decode} \
     NODES_ITERS=${NODES_ITERS:-100} bash tests/gpu/device_run.sh build,nodes 2>&1 | grep -E "SUMMARY|trace gpu0|^(decode|prefill) .*(dispatch_send|combine_send|dispatch |combine ) "
   [ "$v" = B ] && patch -s -R -p1 < wip/ab/pack-wait-first.patch
