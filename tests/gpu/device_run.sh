@@ -53,7 +53,8 @@ fi
 if has gpu; then
   # $GPU_TESTS: the test files and options (default: every GPU test); the slow fuzz's cases are cut to 12 (each
   # compiles its own programs: 40 would not fit one verification call)
-  stage gpu 420 env JAX_MOE_FUZZ_MANY=${JAX_MOE_FUZZ_MANY:-12} python3 -m pytest -q -p no:cacheprovider --capture=sys --runslow -m gpu ${GPU_TESTS:-tests}  # C++ aborts reach the log
+  # --durations: what the 285 s go to (a shorter verification fits more sessions' device time)
+  stage gpu 420 env JAX_MOE_FUZZ_MANY=${JAX_MOE_FUZZ_MANY:-12} python3 -m pytest -q -p no:cacheprovider --capture=sys --runslow --durations=25 -m gpu ${GPU_TESTS:-tests}  # C++ aborts reach the log
 fi
 if has demo; then  # the README's demo on the GPUs: backend "auto" picks "cuda"
   stage demo 300 bash -c 'python3 examples/train_moe.py --steps 60 --log-every 20 --out runs/gpu_demo && \
