@@ -410,3 +410,48 @@ def test_trace_summary_names_each_recorded_point_and_drops_the_unrecorded(monkey
         assert set(out[3]) == set(want), (points, sorted(set(out[3]) ^ set(want)))
         for k, v in want.items():
             assert abs(out[3][k] - v) < 1e-6, (k, out[3][k], v)
+
+
+def test_stamp_gaps_split_each_window_around_the_traced_kernel(monkeypatch):
+    """stamp_gaps: per local GPU and half, the p50 from the stamp before to the kernel's traced start, the kernel, and
+    from its end to the stamp after, matching each stamp window with the trace round that starts inside it (the ring
+    in any order, holding fewer rounds than the run had); a rank that is not this process's is left out."""
+    import types
+
+    from jax_moe.backends.bootstrap import RankEntry
+    from jax_moe.bench import diagnostics
+    rng = np.random.default_rng()
+    iters, ring, ordinal, rank = 100, 64, 2, 1
+    stamps = np.zeros((3, iters, 6), np.int64)  # three ranks; this process holds rank 1 on GPU 2
+    tr = np.zeros((ring, 6, 8), np.uint64)
+    want = {}
+    t = int(rng.integers(1 << 40, 1 << 41))
+    parts = {h: [rng.uniform(1, 20, iters), rng.uniform(5, 60, iters), rng.uniform(1, 20, iters)]
+             for h, _, _ in diagnostics._STAMP_WINDOWS}
+    slot = rng.permutation(ring)  # which ring slot each of the last `ring` iterations lands in
+    for i in range(iters):
+        stamps[rank, i, 0] = t
+        for h, k, half in diagnostics._STAMP_WINDOWS:
+            if k == 3:  # the expert stand-in between the halves
+                t += 7_000
+                stamps[rank, i, 3] = t
+            before, kernel, after = (int(p[i] * 1e3) for p in parts[h])
+            if i >= iters - ring:
+                tr[slot[i - (iters - ring)], half, 0] = t + before
+                tr[slot[i - (iters - ring)], half, 3] = t + before + kernel
+            t += before + kernel + after
+            stamps[rank, i, k + 1] = t
+        t += 3_000
+    for h in parts:  # the rounds the ring still holds, ns -> us as the stamps were made
+        want[h] = [np.median(np.floor(p[iters - ring:] * 1e3)) / 1e3 for p in parts[h]]
+    table = types.SimpleNamespace(local=lambda process: [RankEntry(5, 0, ordinal, 0, rank)])
+    backend = types.SimpleNamespace(read_trace=lambda: {ordinal: tr, 7: tr}, table=table)
+    monkeypatch.setenv("JAX_MOE_CUDA_TRACE", "1")
+    out = diagnostics.stamp_gaps(types.SimpleNamespace(backend=backend), stamps)
+    assert set(out) == {ordinal}, out.keys()
+    for h, (before, kernel, after) in want.items():
+        got = out[ordinal][h]
+        assert got["rounds"] == ring, (h, got)
+        assert max(abs(got["before"] - before), abs(got["kernel"] - kernel), abs(got["after"] - after)) < 1e-6, (h, got)
+    monkeypatch.setenv("JAX_MOE_CUDA_TRACE", "0")
+    assert diagnostics.stamp_gaps(types.SimpleNamespace(backend=backend), stamps) is None

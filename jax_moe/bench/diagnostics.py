@@ -142,6 +142,48 @@ def trace_summary(comm, ops: tuple = ("dispatch", "combine")) -> Optional[dict]:
     return out
 
 
+# Each half's stamp window in a split iteration (programs._api_iteration: stamps k and k + 1) and its trace half.
+_STAMP_WINDOWS = (("dispatch_send", 0, 0), ("dispatch_recv", 1, 1), ("combine_send", 3, 2), ("combine_recv", 4, 3))
+
+
+def stamp_gaps(comm, stamps: np.ndarray) -> Optional[dict]:
+    """Where each half's stamp-to-stamp time goes on each of this process's GPUs (JAX_MOE_CUDA_TRACE=1; `stamps`:
+    gpu_run's [ranks, iters, 6] %globaltimer ns of a split run, read before any other run overwrites the trace's ring):
+    p50 in us of `before` (the stamp before -> the kernel's traced start: the launch, until part 0 runs), `kernel`
+    (traced start -> end, the last part's arrival) and `after` (end -> the stamp after: the last part's signals, the
+    kernel's exit, the next launch). Each window is matched with the trace round whose start lies in it (one GPU's
+    clock), so only the last rounds the ring holds count. {ordinal: {half: {"before", "kernel", "after", "rounds"}}}."""
+    if os.environ.get("JAX_MOE_CUDA_TRACE") != "1" or not hasattr(comm.backend, "read_trace"):
+        return None
+    ranks = {e.local_id: e.rank for e in comm.backend.table.local(jax.process_index())}
+    out = {}
+    for ordinal, tr in comm.backend.read_trace().items():
+        if ranks.get(ordinal) is None:
+            continue
+        st = np.asarray(stamps[ranks[ordinal]], np.int64)  # [iters, 6]
+        row = {}
+        for half, k, h in _STAMP_WINDOWS:
+            start, end = tr[:, h, 0].astype(np.int64), tr[:, h, 3].astype(np.int64)
+            keep = (start > 0) & (end >= start)
+            order = np.argsort(start[keep])
+            start, end = start[keep][order], end[keep][order]
+            if not start.size:
+                continue
+            t0, t1 = st[:, k], st[:, k + 1]
+            j = np.minimum(np.searchsorted(start, t0), start.size - 1)  # the first round starting at or after t0
+            hit = (start[j] >= t0) & (start[j] <= t1) & (end[j] <= t1)
+            if hit.sum() < 3:
+                continue
+            s, e, a, b = start[j][hit], end[j][hit], t0[hit], t1[hit]
+            row[half] = {"before": float(np.median(s - a)) / 1e3, "kernel": float(np.median(e - s)) / 1e3,
+                         "after": float(np.median(b - e)) / 1e3, "rounds": int(hit.sum())}
+        if row:
+            out[ordinal] = row
+            print(f"[moe] stamp gaps gpu{ordinal} (us, p50 before / kernel / after): " + "  ".join(
+                f"{h} {v['before']:.1f} / {v['kernel']:.1f} / {v['after']:.1f}" for h, v in row.items()), flush=True)
+    return out or None
+
+
 def peer_bandwidth(platform, n):
     if platform != "gpu":
         return None

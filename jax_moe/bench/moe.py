@@ -160,11 +160,15 @@ def main(argv) -> int:
                 skipped.add(backend)
                 continue
             started, wall_from = time.perf_counter(), time.time()
+            gaps = None
             try:
                 if gpu:
                     with diagnostics.profiled(0 if joined is None else joined[0]):
                         samples = gpu_run(backend, comm, mesh, n, l, inputs, its, min(args.unroll, its),
                                            args.warmup)
+                    stamps = samples.pop("stamps")
+                    # before the next run overwrites the trace's ring
+                    gaps = diagnostics.stamp_gaps(comm, stamps) if native == "cuda" and comm is not None else None
                     if backend != "xla-ragged":
                         # Totals without the stamps between the halves (each stamp is one more custom call on
                         # the stream); the halves stay from the split run.
@@ -196,6 +200,8 @@ def main(argv) -> int:
                 trace = diagnostics.trace_summary(comm)
                 if trace:
                     rec["trace_us"] = trace
+                if gpu and gaps:
+                    rec["stamp_gaps_us"] = {str(k): v for k, v in gaps.items()}
                 if fabric:  # ranks on other nodes: which provider and memory, and the proxies' timeline
                     rec["fabric"] = {str(k): v for k, v in fabric.items()}
                     rec["fabric_breakdown"] = diagnostics.fabric_breakdown(comm, 4096)

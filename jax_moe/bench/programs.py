@@ -232,6 +232,7 @@ def gpu_run(kind, comm_or_none, mesh, n, l, inputs, iters, unroll, warmup, split
     out = {k: v.max(axis=0) for k, v in per.items()}
     out["per_rank_p50"] = {k: [float(np.nanmedian(v[q])) if np.isfinite(v[q]).any() else None for q in range(n)]
                            for k, v in per.items()}
+    out["stamps"] = stamps  # [ranks, iters, 6] ns: diagnostics.stamp_gaps matches them with the device trace
     return out
 
 
