@@ -57,17 +57,17 @@ def kernel_table(folder: str, rows: int = 16) -> str:
             events = json.load(f).get("traceEvents", [])
         gpu = {e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                and "GPU" in str(e.get("args", {}).get("name", ""))}
-        streams: dict[tuple, list[dict]] = {}
+        streams: dict[tuple, list[tuple[float, float, str]]] = {}  # (pid, tid) -> [(start, duration, name)]
         for e in events:
             if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
-                durs.setdefault(_short_name(str(e.get("name", ""))), []).append(float(e["dur"]))
+                name = _short_name(str(e.get("name", "")))
+                durs.setdefault(name, []).append(float(e["dur"]))
                 if "ts" in e:
-                    streams.setdefault((e["pid"], e.get("tid")), []).append(e)
-        for evs in streams.values():
-            evs.sort(key=lambda e: float(e["ts"]))
-            for before, e in zip(evs, evs[1:]):
-                gap = float(e["ts"]) - (float(before["ts"]) + float(before["dur"]))
-                gaps.setdefault(_short_name(str(e.get("name", ""))), []).append(gap)
+                    streams.setdefault((e["pid"], e.get("tid")), []).append((float(e["ts"]), float(e["dur"]), name))
+        for acts in streams.values():
+            acts.sort()
+            for (ts, dur, _), (next_ts, _, name) in zip(acts, acts[1:]):
+                gaps.setdefault(name, []).append(next_ts - (ts + dur))
     if not durs:
         return "  (no GPU activity in the trace)"
     lines = [f"  {'activity':40s} {'count':>6s} {'p50 us':>9s} {'p99 us':>9s} {'gap p50':>9s}"]
@@ -111,6 +111,11 @@ def _breakdown(comm, rounds: int, stream: int) -> Optional[dict]:
             "bell_skew_us": float(np.median((tr[:, :, 0].max(axis=0) - tr[:, :, 0].min(axis=0)) / 1e3))}
 
 
+def _traced(comm) -> bool:
+    """Whether comm's kernels record the device trace (JAX_MOE_CUDA_TRACE=1 and a backend that has one)."""
+    return os.environ.get("JAX_MOE_CUDA_TRACE") == "1" and hasattr(comm.backend, "read_trace")
+
+
 _TRACE_HALVES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 # kernels/moe_layout.h's TracePoint; the last four are the send halves' fabric phases (ranks on other nodes)
 _TRACE_POINTS = ("start", "waited", "work", "end", "indexed", "free", "written", "bell")
@@ -121,7 +126,7 @@ def trace_summary(comm, ops: tuple = ("dispatch", "combine")) -> Optional[dict]:
     of its waits on peers, end of its block 0's work, and end, and any other point of _TRACE_POINTS the kernels record
     (the send halves' fabric phases), in us after that GPU's start of the first op's send half (rounds where every
     half of `ops` ran). (GPUs' clocks are not synchronised: only times on one GPU are compared.)"""
-    if os.environ.get("JAX_MOE_CUDA_TRACE") != "1" or not hasattr(comm.backend, "read_trace"):
+    if not _traced(comm):
         return None
     halves = [i for i, h in enumerate(_TRACE_HALVES) if h.split("_")[0] in ops]
     traces = comm.backend.read_trace()
@@ -153,7 +158,7 @@ def stamp_gaps(comm, stamps: np.ndarray) -> Optional[dict]:
     (traced start -> end, the last part's arrival) and `after` (end -> the stamp after: the last part's signals, the
     kernel's exit, the next launch). Each window is matched with the trace round whose start lies in it (one GPU's
     clock), so only the last rounds the ring holds count. {ordinal: {half: {"before", "kernel", "after", "rounds"}}}."""
-    if os.environ.get("JAX_MOE_CUDA_TRACE") != "1" or not hasattr(comm.backend, "read_trace"):
+    if not _traced(comm):
         return None
     ranks = {e.local_id: e.rank for e in comm.backend.table.local(jax.process_index())}
     out = {}

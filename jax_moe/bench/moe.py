@@ -200,7 +200,7 @@ def main(argv) -> int:
                 trace = diagnostics.trace_summary(comm)
                 if trace:
                     rec["trace_us"] = trace
-                if gpu and gaps:
+                if gaps:
                     rec["stamp_gaps_us"] = {str(k): v for k, v in gaps.items()}
                 if fabric:  # ranks on other nodes: which provider and memory, and the proxies' timeline
                     rec["fabric"] = {str(k): v for k, v in fabric.items()}
