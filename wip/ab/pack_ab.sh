@@ -7,7 +7,8 @@ base=${OUT:-gpu_out}
 # $AB_APPLY: A is main with wip/pack-poll.patch applied (it has not landed: no GPU run verified it)
 [ -n "$AB_APPLY" ] && patch -s -p1 < wip/pack-poll.patch
 # $AB_COMBINE: A also has wip/combine-poll.patch (combine_send's block 0 polls the lane for the other blocks), B not
-[ -n "$AB_COMBINE" ] && patch -s -p1 < wip/combine-poll.patch
+# $AB_LANDED: both patches are committed already (A is the tree as it is; B still reverses combine-poll)
+[ -n "$AB_COMBINE" ] && [ -z "$AB_LANDED" ] && patch -s -p1 < wip/combine-poll.patch
 # $AB_VERIFY: first the one-call verification of this tree (GPU suite, demo)
 [ -n "$AB_VERIFY" ] && OUT=$base/0verify bash tests/gpu/device_run.sh build,gpu,demo 2>&1 |
   grep -E "SUMMARY|FAILED|Error|(passed|failed) in" | tail -20
