@@ -455,3 +455,47 @@ def test_stamp_gaps_split_each_window_around_the_traced_kernel(monkeypatch):
         assert max(abs(got["before"] - before), abs(got["kernel"] - kernel), abs(got["after"] - after)) < 1e-6, (h, got)
     monkeypatch.setenv("JAX_MOE_CUDA_TRACE", "0")
     assert diagnostics.stamp_gaps(types.SimpleNamespace(backend=backend), stamps) is None
+
+
+def test_the_launcher_gives_each_process_its_own_settings(monkeypatch, capsys):
+    """JAX_MOE_BENCH_ENV_<i>="KEY=VALUE ...": process i alone gets KEY (to tell a sender's side from a receiver's on one
+    GPU); a malformed setting, or one for a process that does not exist, stops the launch before any process starts."""
+    from jax_moe.bench import processes
+
+    envs = []
+
+    class Done:
+        returncode = 0
+
+        def __init__(self, cmd, env, **_):
+            envs.append(env)
+
+        def wait(self):
+            return 0
+
+        def communicate(self):
+            return "", None
+
+    monkeypatch.setattr(processes.subprocess, "Popen", Done)
+    monkeypatch.setattr(processes, "gpu_count", lambda: 1)
+    for k in [k for k in os.environ if k.startswith(processes.RANK_ENV)]:
+        monkeypatch.delenv(k)
+    value = str(np.random.default_rng().integers(1, 1 << 30))  # fresh each run: nothing else can have set it
+    monkeypatch.setenv("JAX_MOE_BENCH_ENV_1", f"JAX_MOE_TEST_ONE={value}  JAX_MOE_TEST_TWO=a=b")
+    assert processes.launch(["--iters", "1"], 3) == 0
+    assert [e.get("JAX_MOE_TEST_ONE") for e in envs] == [None, value, None]
+    assert [e.get("JAX_MOE_TEST_TWO") for e in envs] == [None, "a=b", None]  # the first "=" splits
+    assert [e[processes.PROC_ENV].split(",")[0] for e in envs] == ["0", "1", "2"]
+    assert processes.process_settings() == {"JAX_MOE_BENCH_ENV_1": f"JAX_MOE_TEST_ONE={value}  JAX_MOE_TEST_TWO=a=b"}
+
+    for bad, words in [("JAX_MOE_TEST_ONE", "not KEY=VALUE"), ("=1", "not KEY=VALUE"), ("1X=2", "not KEY=VALUE")]:
+        envs.clear()
+        monkeypatch.setenv("JAX_MOE_BENCH_ENV_1", bad)
+        assert processes.launch(["--iters", "1"], 2) == 2 and envs == [], bad
+        err = capsys.readouterr().err
+        assert "JAX_MOE_BENCH_ENV_1" in err and words in err, err
+    monkeypatch.setenv("JAX_MOE_BENCH_ENV_1", "A=1")
+    monkeypatch.setenv("JAX_MOE_BENCH_ENV_2", "A=1")
+    assert processes.launch(["--iters", "1"], 2) == 2 and envs == []
+    err = capsys.readouterr().err
+    assert "JAX_MOE_BENCH_ENV_2" in err and "no such process" in err and "ENV_1" not in err, err

@@ -10,6 +10,8 @@ timed by the host clock with the same stamps (a CPU FFI op), one iteration per p
 sort by expert, `ragged_all_to_all`, local permute, and back. Prints a table; writes results.json and moe.png to --out.
 Run in several processes with ranks on other nodes (--processes, --ranks-per-node), the launcher then prints each
 operation of those ranks beside its floor (EP1 kernel + TransferEngine one-way time, bench/floor.py).
+JAX_MOE_BENCH_ENV_<i>="KEY=VALUE ..." sets KEY for process i only (e.g. a staging knob on the sender's side alone);
+the floors' runs do not take it. results.json's meta keeps what was set.
 """
 from __future__ import annotations
 
@@ -117,7 +119,7 @@ def main(argv) -> int:
             "device_kind": devices[0].device_kind, "ranks": n, "jax": jax.__version__, "argv": list(argv),
             "peer_bandwidth": bw, "times_in": "microseconds; per iteration the max over ranks",
             "processes": 1 if joined is None else joined[1], "ranks_per_node": args.ranks_per_node,
-            "provider": args.provider}
+            "provider": args.provider, "process_settings": processes.process_settings()}
     results = []
     skipped = set()
     for shape, t, (hidden, e, r, fp8), its in points:

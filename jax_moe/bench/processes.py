@@ -9,6 +9,28 @@ import sys
 from typing import Optional
 
 PROC_ENV = "JAX_MOE_BENCH_PROC"  # "process,count,port,gpus" in a process started by launch()
+# JAX_MOE_BENCH_ENV_<i>="KEY=VALUE ...": settings for process i only, over the launcher's environment. Two processes
+# of one GPU stand for two nodes: a setting on one of them tells its side (sender or receiver) from the other's.
+RANK_ENV = "JAX_MOE_BENCH_ENV_"
+
+
+def process_settings() -> dict[str, str]:
+    """Every JAX_MOE_BENCH_ENV_<i> of this environment, as set (for the results' meta)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(RANK_ENV)}
+
+
+def process_env(i: int) -> dict[str, str]:
+    """The settings JAX_MOE_BENCH_ENV_<i> gives process i (space-separated KEY=VALUE; empty where unset)."""
+    name = f"{RANK_ENV}{i}"
+    spec = os.environ.get(name, "")
+    out = {}
+    for item in spec.split():
+        key, sep, value = item.partition("=")
+        if not sep or not key or not key.replace("_", "").isalnum() or key[0].isdigit():
+            raise ValueError(f"{name}={spec!r}: {item!r} is not KEY=VALUE; give space-separated KEY=VALUE settings, "
+                             f"e.g. {name}='JAX_MOE_STAGE_PIECES=1'")
+        out[key] = value
+    return out
 
 
 def gpu_count() -> int:
@@ -22,7 +44,8 @@ def gpu_count() -> int:
 
 def launch(argv: list[str], processes: int, suite: str = "moe") -> int:
     """Runs `python -m jax_moe.bench suite *argv` in `processes` processes of this host; process 0 prints and writes
-    the results. Returns process 0's exit status (the others' failures are printed)."""
+    the results. Returns process 0's exit status (the others' failures are printed), or 2 where a process's own
+    settings (JAX_MOE_BENCH_ENV_<i>) are malformed or name no process."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -32,9 +55,19 @@ def launch(argv: list[str], processes: int, suite: str = "moe") -> int:
     # cannot, for its own process): eager, unless set, so that fabric_memory "auto" stages the areas of ranks on other
     # nodes through HBM, the fastest path that runs (docs/cuda.md). JAX_MOE_FABRIC_MEMORY=host measures the other.
     env.setdefault("CUDA_MODULE_LOADING", "EAGER")
+    try:  # every process's settings checked before any starts
+        own = [process_env(i) for i in range(processes)]
+    except ValueError as e:
+        print(f"[{suite}] {e}", file=sys.stderr)
+        return 2
+    stray = sorted(set(process_settings()) - {f"{RANK_ENV}{i}" for i in range(processes)})
+    if stray:
+        print(f"[{suite}] {', '.join(stray)}: no such process (there are {processes}, 0..{processes - 1}); unset it "
+              "or start more processes", file=sys.stderr)
+        return 2
     procs = []
     for i in range(processes):
-        env_i = dict(env, **{PROC_ENV: f"{i},{processes},{port},{gpus}"})
+        env_i = {**env, **own[i], PROC_ENV: f"{i},{processes},{port},{gpus}"}
         procs.append(subprocess.Popen([sys.executable, "-m", "jax_moe.bench", suite, *argv], env=env_i,
                                       stdout=None if i == 0 else subprocess.PIPE,
                                       stderr=None if i == 0 else subprocess.STDOUT, text=True))
