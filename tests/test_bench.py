@@ -300,9 +300,8 @@ def test_overlap_bench_runs_end_to_end_on_cpu(tmp_path):
         assert r["sends_apart_us"] >= 0  # one process, one clock
 
 
-def test_the_launcher_loads_cuda_modules_eagerly_unless_told(monkeypatch):
-    """`--processes N` starts fresh processes, so it sets CUDA_MODULE_LOADING=EAGER before they use CUDA (then
-    fabric_memory "auto" stages the areas of remote ranks through HBM); a value the user set is kept."""
+def _fake_processes(monkeypatch) -> list:
+    """The launcher's processes replaced by ones that exit at once: the list fills with each one's environment."""
     from jax_moe.bench import processes
 
     envs = []
@@ -321,6 +320,15 @@ def test_the_launcher_loads_cuda_modules_eagerly_unless_told(monkeypatch):
 
     monkeypatch.setattr(processes.subprocess, "Popen", Done)
     monkeypatch.setattr(processes, "gpu_count", lambda: 1)
+    return envs
+
+
+def test_the_launcher_loads_cuda_modules_eagerly_unless_told(monkeypatch):
+    """`--processes N` starts fresh processes, so it sets CUDA_MODULE_LOADING=EAGER before they use CUDA (then
+    fabric_memory "auto" stages the areas of remote ranks through HBM); a value the user set is kept."""
+    from jax_moe.bench import processes
+
+    envs = _fake_processes(monkeypatch)
     monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
     assert processes.launch(["--iters", "1"], 2) == 0
     assert [e["CUDA_MODULE_LOADING"] for e in envs] == ["EAGER", "EAGER"]
@@ -462,22 +470,7 @@ def test_the_launcher_gives_each_process_its_own_settings(monkeypatch, capsys):
     GPU); a malformed setting, or one for a process that does not exist, stops the launch before any process starts."""
     from jax_moe.bench import processes
 
-    envs = []
-
-    class Done:
-        returncode = 0
-
-        def __init__(self, cmd, env, **_):
-            envs.append(env)
-
-        def wait(self):
-            return 0
-
-        def communicate(self):
-            return "", None
-
-    monkeypatch.setattr(processes.subprocess, "Popen", Done)
-    monkeypatch.setattr(processes, "gpu_count", lambda: 1)
+    envs = _fake_processes(monkeypatch)
     for k in [k for k in os.environ if k.startswith(processes.RANK_ENV)]:
         monkeypatch.delenv(k)
     value = str(np.random.default_rng().integers(1, 1 << 30))  # fresh each run: nothing else can have set it
