@@ -24,10 +24,10 @@ import sys
 from typing import Any, Optional
 
 from jax_moe.bench import floor_runs
+from jax_moe.bench.processes import ENV_KEY
 from jax_moe.bench.report import PHASES
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
-_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -39,7 +39,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     settings: dict[str, str] = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
-        if not eq or not _ENV_KEY.fullmatch(key):
+        if not eq or not ENV_KEY.fullmatch(key):
             raise ValueError(f"--variant {text!r}: {item!r} is not KEY=VALUE with KEY an environment variable's name")
         if key in settings:
             raise ValueError(f"--variant {text!r}: {key} is set twice")

@@ -3,6 +3,7 @@ the GPU count both use (process i takes GPU i % count)."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -12,6 +13,7 @@ PROC_ENV = "JAX_MOE_BENCH_PROC"  # "process,count,port,gpus" in a process starte
 # JAX_MOE_BENCH_ENV_<i>="KEY=VALUE ...": settings for process i only, over the launcher's environment. Two processes
 # of one GPU stand for two nodes: a setting on one of them tells its side (sender or receiver) from the other's.
 RANK_ENV = "JAX_MOE_BENCH_ENV_"
+ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # an environment variable's name (also bench ab's variants)
 
 
 def process_settings() -> dict[str, str]:
@@ -26,7 +28,7 @@ def process_env(i: int) -> dict[str, str]:
     out = {}
     for item in spec.split():
         key, sep, value = item.partition("=")
-        if not sep or not key or not key.replace("_", "").isalnum() or key[0].isdigit():
+        if not sep or not ENV_KEY.fullmatch(key):
             raise ValueError(f"{name}={spec!r}: {item!r} is not KEY=VALUE; give space-separated KEY=VALUE settings, "
                              f"e.g. {name}='JAX_MOE_STAGE_PIECES=1'")
         out[key] = value
