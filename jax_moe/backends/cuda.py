@@ -212,7 +212,11 @@ class CudaBackend(NativeBackend):
                                                                           for i in self.fabric_info().values())
 
     def fabric_info(self) -> dict[int, dict[str, Any]]:
-        """Per local GPU ordinal with ranks on other nodes: the provider, where the areas live and their bytes."""
+        """Per local GPU ordinal with ranks on other nodes: the provider ("provider"), where the areas live ("memory",
+        "on_gpu", "staged", and "fallback": why not in GPU memory), their bytes ("bytes", host and HBM), how they are
+        cut ("lanes", "regions_per_lane": one per rank on another node, "remote_ranks"; per stream "region_bytes"),
+        how NIC writes become visible ("visibility"), and where the proxy runs ("proxy_cpu", "proxy_cpus",
+        "numa_node", "areas_numa_node", "areas_numa_node_granted")."""
         return {d.local_id: dict(info) for d in self._local()
                 for info in [self._mod.fabric_info(self.native_id, d.local_id)] if info}
 
@@ -339,10 +343,12 @@ class CudaBackend(NativeBackend):
 
     # --- diagnostics ----------------------------------------------------------------------------------------------
     def read_trace(self) -> dict[int, np.ndarray]:
-        """Device-side trace per local device ordinal: [64 epochs, halves, (start, waited, work, end)] %globaltimer ns.
+        """Device-side trace per local device ordinal: [64 epochs, halves, points] %globaltimer ns.
 
         Zeros unless JAX_MOE_CUDA_TRACE=1 was set when the Communicator was made. Halves: dispatch send, dispatch
-        recv, combine send, combine recv (channel 0), then combine send/recv of channel 1. Synchronous."""
+        recv, combine send, combine recv (channel 0), then combine send/recv of channel 1. Points: start, waited, work,
+        end, then the send halves' fabric phases (ranks on other nodes; bench.diagnostics names them), 0 where a
+        half records none. Synchronous."""
         shape = self._mod.trace_shape()
         return {d.local_id: np.asarray(self._mod.read_trace(self.native_id, d.local_id), np.uint64).reshape(shape)
                 for d in self._local()}

@@ -258,7 +258,7 @@ def measure(comm, mesh, inputs, op: str, iters: int, warmup: int, gpu: bool, unr
 
 def sms_in_flight(comm, op: str, tokens: int) -> dict:
     """What our kernels occupy while the bytes move: "cuda" pushes them from the send kernel itself (its blocks on
-    min(blocks, SMs) SMs; with ranks on other nodes the pack blocks come first, so a grid can exceed two an SM), and
+    min(blocks, SMs) SMs; with ranks on other nodes block 0 and the pack blocks come first, so a grid can exceed two an SM), and
     launches nothing between the halves, so the GEMM has every SM (ranks on other nodes: the host proxy moves the
     bytes, no SM). Other backends: no GPU kernels (None)."""
     shapes = getattr(comm.backend, "launch_shapes", None)

@@ -83,7 +83,10 @@ DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, co
   const int64_t n = shape.num_ranks;
   Require(int64_t(nodes.size()) == n && rank >= 0 && rank < n, "DeviceFabric: one node per rank");
   remote_.resize(n);
-  for (int64_t p = 0; p < n; ++p) remote_[p] = nodes[p] != nodes[rank];
+  for (int64_t p = 0; p < n; ++p) {
+    remote_[p] = nodes[p] != nodes[rank];
+    if (remote_[p]) remote_peers_.push_back({int(p), slots_.Slot(rank, p)});
+  }
   Require(n <= proxy::kMaxRanks, "DeviceFabric: too many ranks for the immediates");
   {
     std::lock_guard<std::mutex> lock(LiveMu());
@@ -377,9 +380,8 @@ bool DeviceFabric::StageSend(size_t link, uint64_t round) {
     const uint64_t* bytes =
         reinterpret_cast<const uint64_t*>(st.words->host()) + proxy::kBellWords + lanes.Lane(round) * shape_.num_ranks;
     std::vector<StageCopies::Copy> copies;
-    for (int p = 0; p < shape_.num_ranks; ++p) {
-      if (!remote_[p]) continue;
-      const uint64_t at = lanes.Offset(round, slots_.Slot(rank_, p)), n = __atomic_load_n(bytes + p, __ATOMIC_ACQUIRE);
+    for (const RemotePeer& r : remote_peers_) {
+      const uint64_t at = lanes.Offset(round, r.slot), n = __atomic_load_n(bytes + r.rank, __ATOMIC_ACQUIRE);
       copies.push_back({st.send.pinned->host() + at, st.send.mirror->data() + at, size_t(n < st.region ? n : st.region)});
     }
     return copies;
@@ -393,9 +395,8 @@ bool DeviceFabric::StageArrival(size_t link, uint64_t round) {
   return stage_->Ready(int(2 * link + 1), round, /*to_device=*/true, [&] {
     const proxy::Lanes lanes = LanesOf(st.region);
     std::vector<StageCopies::Copy> copies;
-    for (int q = 0; q < shape_.num_ranks; ++q) {
-      if (!remote_[q]) continue;
-      const uint64_t at = lanes.Offset(round, slots_.Slot(rank_, q));
+    for (const RemotePeer& r : remote_peers_) {
+      const uint64_t at = lanes.Offset(round, r.slot);
       copies.push_back({st.recv.mirror->data() + at, st.recv.pinned->host() + at,
                         size_t(ArrivedBytes(link, st.recv.pinned->host() + at))});
     }
@@ -423,9 +424,9 @@ void DeviceFabric::Inspect(size_t link, uint64_t round, bool received) const {
   const Stream& st = streams_[link];
   const proxy::Lanes lanes = LanesOf(st.region);
   const Area& area = received ? st.recv : st.send;
-  for (int p = 0; p < shape_.num_ranks; ++p) {
-    if (!remote_[p]) continue;
-    const uint64_t at = lanes.Offset(round, slots_.Slot(rank_, p));  // p's region in either area: ours to it, or its
+  for (const RemotePeer& r : remote_peers_) {
+    const int p = r.rank;
+    const uint64_t at = lanes.Offset(round, r.slot);  // p's region in either area: ours to it, or its
     proxy::RegionHeader h{};
     if (area.hbm) {
       area.hbm->Download(at, &h, sizeof(h));
@@ -443,6 +444,12 @@ void DeviceFabric::Inspect(size_t link, uint64_t round, bool received) const {
                 link == 0 ? "dispatch" : "combine", received ? "arrived" : "posting", (unsigned long long)round,
                 received ? "from" : "to", p, wrong.empty() ? "ok" : wrong.c_str(), (unsigned long long)h.seq, h.rows);
   }
+}
+
+std::vector<uint64_t> DeviceFabric::RegionBytes() const {
+  std::vector<uint64_t> out;
+  for (const Stream& st : streams_) out.push_back(st.region);
+  return out;
 }
 
 void DeviceFabric::Fill(KernelArgs& a) const {

@@ -7,6 +7,7 @@
 // that GPU's engine (proxy/engine_pool.h): one busy-polling proxy thread per GPU and provider, whatever the number of
 // MoE layers, optionally pinned to a core ($JAX_MOE_PROXY_CPUS).
 #pragma once
+#include <array>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -92,6 +93,8 @@ class DeviceFabric {
   uint64_t BytesAllocated() const;
   // Regions a lane of our areas holds: one per rank on another node.
   int64_t regions_per_lane() const { return slots_.Slots(rank_); }
+  // Per stream: a region's bytes (each area is kFabricLanes lanes of regions_per_lane() regions).
+  std::vector<uint64_t> RegionBytes() const;
   // Where the areas live and how the engine registered them ("gpu, cuda (dmabuf)", "host, ..."), and, when GPU
   // memory was wanted and not used, why.
   bool on_gpu() const { return on_gpu_; }
@@ -137,6 +140,11 @@ class DeviceFabric {
   double timeout_s_;
   std::vector<bool> remote_;
   proxy::RegionSlots slots_;  // whose region is where in every rank's areas
+  struct RemotePeer {
+    int rank;
+    int64_t slot;  // its region's in our areas
+  };
+  std::vector<RemotePeer> remote_peers_;  // the remote ranks in rank order, their slots found once (not per round)
   int ordinal_;
   std::string provider_;
   int proxy_cpu_ = -1;

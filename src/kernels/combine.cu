@@ -90,6 +90,7 @@ __device__ void SendSums(const KernelArgs& a, Part part, int ch, int mode, const
        j += static_cast<long long>(part.count) * blockDim.x)
     self[j] = j < own_entries && own[j] < total ? own[j] : -1;
   __syncthreads();
+  if (part.id == 0 && threadIdx.x == 0 && a.num_remote > 0) Trace(a, kCombineSend + 2 * ch, epoch, kTraceIndexed);
   const int row_bytes = s.combine_row_bytes(), chunks = (row_bytes + kSumBytes - 1) / kSumBytes;
   const long long items = static_cast<long long>(first_pair[n]) * chunks;
   for (long long item = part.id * kWarps + (threadIdx.x >> 5); item < items; item += part.count * kWarps) {
@@ -177,9 +178,11 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Pa
   // The token owners must have summed the last round in this slot before their combine areas are overwritten.
   if (threadIdx.x < n && !IsRemote(a, threadIdx.x))
     WaitAtLeast(a, Flags(a.base, a, ack) + threadIdx.x, SlotPredecessor(epoch), ack * kWaitStride + threadIdx.x);
-  if (threadIdx.x == 0)
+  if (threadIdx.x == 0) {
     free_ok = a.num_remote == 0 ||
               WaitFabric(a, fab, proxy::kSent, SlotPredecessor(epoch), ack * kWaitStride + FirstRemote(a), 1 + ch, part);
+    if (part.id == 0 && a.num_remote > 0) Trace(a, half, epoch, kTraceFree);
+  }
   const long long rows = s.max_recv_rows(), entries = s.entries();
   const long long cap = FabricCombineRows(s, ch);  // rows a region of this channel holds
   if (a.num_remote > 0) {
@@ -246,6 +249,7 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Pa
   FinishPart(a, part, half, [&](LocalSync* ls) {
     for (int p = 0; p < n; ++p)
       if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, flag) + a.rank, epoch);
+    if (a.num_remote > 0) Trace(a, half, epoch, kTraceBell);
     if (a.num_remote > 0 && !ls->timed_out) StoreReleaseSys(fab.bell + proxy::kRung, epoch);
     ls->epoch[half] = epoch;
     ticket[0] = static_cast<int32_t>(epoch);

@@ -18,15 +18,19 @@ namespace jax_moe::cuda {
 namespace {
 
 // A block of dispatch_send's launch is done (`part` counts every block of it); the last one raises the NVLink
-// receivers' flags, advances the epoch and writes the ticket.
-__device__ void DispatchSendArrive(const KernelArgs& a, const DispatchSendIo& io, Part part, unsigned long long epoch) {
-  FinishPart(a, part, kDispatchSend, [&](LocalSync* ls) {
-    for (int p = 0; p < a.s.num_ranks; ++p)
-      if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchFlag) + a.rank, epoch);
-    ls->epoch[kDispatchSend] = epoch;
-    io.ticket[0] = static_cast<int32_t>(epoch);
-    io.ticket[1] = io.ticket[2] = io.ticket[3] = 0;
-  });
+// receivers' flags, advances the epoch and writes the ticket. `fenced`: as FinishPart.
+__device__ void DispatchSendArrive(const KernelArgs& a, const DispatchSendIo& io, Part part, unsigned long long epoch,
+                                   bool fenced = false) {
+  FinishPart(
+      a, part, kDispatchSend,
+      [&](LocalSync* ls) {
+        for (int p = 0; p < a.s.num_ranks; ++p)
+          if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchFlag) + a.rank, epoch);
+        ls->epoch[kDispatchSend] = epoch;
+        io.ticket[0] = static_cast<int32_t>(epoch);
+        io.ticket[1] = io.ticket[2] = io.ticket[3] = 0;
+      },
+      fenced);
 }
 
 constexpr int kScanTiles = 4;  // tiles of kThreads tokens in one pass of ListExpert beyond one tile: a 16-bit lane of
@@ -411,19 +415,28 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io, 
   });
 }
 
-// dispatch_send's one kernel: with ranks on other nodes its first `packs` blocks fill their regions and ring the
-// proxy's bell (fabric_pack.cuh) while the rest copy over NVLink, so neither waits for the other's launch.
+// dispatch_send's one kernel: with ranks on other nodes its block 0 polls the lane's kSent word (DispatchPollBody)
+// for the next `packs` blocks, which fill their regions and ring the proxy's bell (fabric_pack.cuh), and the rest copy
+// over NVLink, so none waits for another's launch. The pack blocks wait for block 0, which the hardware dispatches
+// first (in practice, not by CUDA's guarantee; were it not resident, their own bounded wait would time out).
 __global__ void __launch_bounds__(kThreads, 2)  // two an SM: the pack blocks take one, the NVLink blocks the other
     DispatchSendKernel(KernelArgs a, DispatchSendIo io, int packs, int per_rank, int fold) {
   extern __shared__ uint32_t own[];  // the pack blocks' index, where they fold it (FoldBytes)
-  const int sends = static_cast<int>(gridDim.x) - packs;
-  if (static_cast<int>(blockIdx.x) >= packs) {
-    DispatchSendBody(a, io, Part{static_cast<int>(blockIdx.x) - packs, sends}, packs);
+  const int fabric = FabricBlocks(packs);
+  const int sends = static_cast<int>(gridDim.x) - fabric;
+  const int block = static_cast<int>(blockIdx.x);
+  if (block >= fabric) {
+    DispatchSendBody(a, io, Part{block - fabric, sends}, fabric);
     return;
   }
   const unsigned long long epoch = Local(a)->epoch[kDispatchSend] + 1;
-  DispatchPackBody(a, io, per_rank, fold != 0, static_cast<int>(blockIdx.x), packs, epoch, own);
-  DispatchSendArrive(a, io, Part{sends + static_cast<int>(blockIdx.x), sends + packs}, epoch);
+  if (block == 0) {
+    DispatchPollBody(a, epoch);
+    DispatchSendArrive(a, io, Part{sends, sends + fabric}, epoch);
+    return;
+  }
+  DispatchPackBody(a, io, per_rank, fold != 0, block - 1, packs, epoch, own);
+  DispatchSendArrive(a, io, Part{sends + block, sends + fabric}, epoch, /*fenced=*/true);
 }
 
 __global__ void __launch_bounds__(kThreads, 2) DispatchRecvKernel(KernelArgs a, DispatchRecvIo io) {
@@ -471,7 +484,7 @@ OnePlan DispatchPlan(const KernelArgs& a, int tokens) {
 }  // namespace
 
 LaunchShape DispatchSendShape(const KernelArgs& a, int tokens) {
-  return {DispatchPackPlan(a, tokens).blocks + SendShape(a, tokens).blocks, kThreads};
+  return {FabricBlocks(DispatchPackPlan(a, tokens).blocks) + SendShape(a, tokens).blocks, kThreads};
 }
 LaunchShape DispatchRecvShape(const KernelArgs& a) { return RecvShape(a); }
 LaunchShape DispatchShape(const KernelArgs& a, int tokens) { return {DispatchPlan(a, tokens).blocks, kThreads}; }
@@ -479,7 +492,7 @@ LaunchShape DispatchShape(const KernelArgs& a, int tokens) { return {DispatchPla
 cudaError_t LaunchDispatchSend(const KernelArgs& a, const DispatchSendIo& io, cudaStream_t stream) {
   const PackPlan pack = DispatchPackPlan(a, io.tokens);
   if (cudaError_t err = LaunchDispatchIndex(a, pack, io.tokens, io.topk_idx, stream); err != cudaSuccess) return err;
-  const int grid = pack.blocks + SendShape(a, io.tokens).blocks;
+  const int grid = FabricBlocks(pack.blocks) + SendShape(a, io.tokens).blocks;
   DispatchSendKernel<<<grid, kThreads, pack.smem, stream>>>(a, io, pack.blocks, pack.per_rank, pack.fold);
   return cudaGetLastError();
 }

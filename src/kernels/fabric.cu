@@ -80,11 +80,12 @@ PackPlan DispatchPackPlan(const KernelArgs& a, int tokens) {
   constexpr size_t kFoldMost = 40 * 1024;
   plan.fold = (tokens + kIndexChunk - 1) / kIndexChunk <= kWarps && FoldBytes(a.s.local_experts) <= kFoldMost;
   plan.smem = plan.fold ? FoldBytes(a.s.local_experts) : 0;
-  // A warp per token, at most one block per SM in all: the kernel fits two an SM, so the NVLink blocks launched
+  // A warp per token, at most one block per SM in all with block 0, which polls for them (FabricBlocks): the kernel
+  // fits two an SM, so the NVLink blocks launched
   // after them find room beside them rather than wait for them to end (prefill, 2026-12-04: with two pack blocks an
   // SM the two kinds ran one after the other, 64 us).
   int per = (tokens + kWarps - 1) / kWarps;
-  const int most = a.num_sms / a.num_remote;
+  const int most = (a.num_sms - 1) / a.num_remote;
   per = per > most ? most : per;
   plan.per_rank = per < 1 ? 1 : per;
   plan.blocks = plan.per_rank * a.num_remote;

@@ -9,8 +9,8 @@
 
 namespace jax_moe::cuda {
 
-// dispatch_send's pack blocks (fabric_pack.cuh), the first `blocks` of its kernel: per_rank for each remote rank;
-// `fold`: each derives the index in `smem` bytes of its shared memory (decode), else the index kernel runs first.
+// dispatch_send's pack blocks (fabric_pack.cuh), `blocks` after its block 0 (which polls for them): per_rank for each
+// remote rank; `fold`: each derives the index in `smem` bytes of its shared memory (decode), else the index kernel runs first.
 struct PackPlan {
   int blocks = 0;  // 0: no remote ranks
   int per_rank = 0;
@@ -18,6 +18,10 @@ struct PackPlan {
   size_t smem = 0;
 };
 PackPlan DispatchPackPlan(const KernelArgs& a, int tokens);
+
+// dispatch_send's blocks before its NVLink blocks: block 0, which polls the lane's kSent word for the pack blocks,
+// then the `packs` pack blocks (none without remote ranks).
+__host__ __device__ inline int FabricBlocks(int packs) { return packs > 0 ? packs + 1 : 0; }
 
 // The dispatch index for the pack blocks, before dispatch_send's kernel (nothing where they fold it or are none).
 cudaError_t LaunchDispatchIndex(const KernelArgs& a, const PackPlan& plan, int tokens, const int32_t* topk_idx,

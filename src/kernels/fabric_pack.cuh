@@ -1,6 +1,7 @@
 // dispatch_send's part for ranks on other nodes: the remote ranks' regions of the send area (layout in moe_layout.h,
-// "ranks on other nodes"), then the bell the host proxy waits on. Run by the first blocks of dispatch_send's one
-// kernel (dispatch.cu), beside the blocks that copy over NVLink, so that neither waits for the other.
+// "ranks on other nodes"), then the bell the host proxy waits on. Run by the blocks after block 0 of dispatch_send's
+// one kernel (block 0 polls for them; dispatch.cu), beside the blocks that copy over NVLink, so that neither waits for
+// the other.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -12,6 +13,15 @@
 #include "kernels/sync.cuh"
 
 namespace jax_moe::cuda {
+
+// The block before the pack blocks (block 0 of dispatch_send's launch) that polls the lane's kSent word in host
+// memory for them (WaitFabric as part 0) from the launch's start, while they derive the index. Its thread 0 alone
+// works.
+__device__ inline void DispatchPollBody(const KernelArgs& a, unsigned long long epoch) {
+  if (threadIdx.x == 0)
+    WaitFabric(a, a.fab[0], proxy::kSent, SlotPredecessor(epoch), kDispatchAck * kWaitStride + FirstRemote(a), 0,
+               Part{0, 1});
+}
 
 // Pack block `block` of `blocks` (per_rank for each remote rank) serves the i-th remote rank p = RemoteRank(block /
 // per_rank) from the dispatch index (IndexKernel, before this launch in stream order; with `fold`, its own copy in
@@ -30,23 +40,27 @@ __device__ inline void DispatchPackBody(const KernelArgs& a, const DispatchSendI
   const FabricArgs& fab = a.fab[0];
   const int b = block % per_rank;
   const int p = RemoteRank(a, block / per_rank);
-  // The NIC must be done with this lane's previous round before it is rewritten. Pack block 0 (block 0 of the
-  // launch) polls the host word; the others wait on its device copy (WaitFabric).
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const bool head = block == 0 && threadIdx.x == 0;  // pack block 0's thread 0 stamps the trace
+  // The index reads topk_idx only: it is derived before the wait for the lane, which DispatchPollBody's block polls
+  // meanwhile (a read of host memory here would hold the index's first barrier for a PCIe round trip).
+  RankIndex ix = IndexOf(a, 0, p);
+  if (fold && p >= 0) {  // p: the same for the whole block
+    const int chunks = (tokens + kIndexChunk - 1) / kIndexChunk;  // <= kWarps
+    ix = SharedIndex(own, l);
+    if (warp < chunks) MarkChunk(a, p, warp, tokens, idx, true, ix.mask + warp, ix.bits + warp * l);
+    __syncthreads();
+    IndexPrefixes<false>(a, ix, chunks, true, sums);
+  }
+  if (head) Trace(a, kDispatchSend, epoch, kTraceIndexed);  // thread 0's view (no barrier of its own)
+  // The NIC must be done with this lane's previous round before it is rewritten (the proxy's kSent): the poll
+  // block's device copy of the host word (a part id other than 0 never reads host memory).
   if (threadIdx.x == 0)
     free_ok = p >= 0 && WaitFabric(a, fab, proxy::kSent, SlotPredecessor(epoch), kDispatchAck * kWaitStride + p, 0,
-                                   Part{block, blocks});
+                                   Part{block + 1, blocks + 1});
   __syncthreads();
+  if (head) Trace(a, kDispatchSend, epoch, kTraceFree);
   if (free_ok) {  // the same for the whole block
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    RankIndex ix = IndexOf(a, 0, p);
-    if (fold) {
-      const int chunks = (tokens + kIndexChunk - 1) / kIndexChunk;  // <= kWarps
-      ix = SharedIndex(own, l);
-      if (warp < chunks) MarkChunk(a, p, warp, tokens, idx, true, ix.mask + warp, ix.bits + warp * l);
-      __syncthreads();
-      IndexPrefixes<false>(a, ix, chunks, true, sums);
-      __syncthreads();
-    }
     uint8_t* region = SendRegion(fab, a, epoch, p);
     int32_t* list = reinterpret_cast<int32_t*>(region + FabricHeaderBytes(s));
     uint8_t* records = region + FabricRecordsOffset(s);
@@ -77,13 +91,17 @@ __device__ inline void DispatchPackBody(const KernelArgs& a, const DispatchSendI
     }
   }
   // Every pack block's stores reach host memory before the proxy sees the bell (as FinishPart orders a launch's end).
+  // This barrier and fence also order them before the block's arrival (DispatchSendArrive, fenced): no store of the
+  // block's data may come after them.
   __syncthreads();
+  if (head) Trace(a, kDispatchSend, epoch, kTraceWritten);
   if (threadIdx.x == 0) {
     __threadfence_system();
     LocalSync* ls = Local(a);
     if (atomicAdd(&ls->pack_done, 1u) == static_cast<unsigned>(blocks) - 1) {
       ls->pack_done = 0;
       __threadfence_system();
+      Trace(a, kDispatchSend, epoch, kTraceBell);
       if (!*reinterpret_cast<volatile int*>(&ls->timed_out)) StoreReleaseSys(fab.bell + proxy::kRung, epoch);
     }
   }

@@ -91,7 +91,7 @@ __device__ __forceinline__ void MaxReleaseSys(unsigned long long* p, unsigned lo
 // the proxy made visible before it raised the word, without a read of its own over PCIe: every block polling host
 // memory flooded the link that the receive kernels read their rows through, when the rows are in host memory.
 // Part 0 polls: only a half's own kernel waits on the fabric (never the one-shot kernel), and there part 0 is block 0
-// (dispatch_send's pack blocks come first in its launch, and are given their block index as their part).
+// (dispatch_send's block 0 polls for its pack blocks, which follow it and wait with part ids from 1).
 __device__ __forceinline__ bool WaitFabric(const KernelArgs& a, const FabricArgs& f, int word, unsigned long long want,
                                            int which, int stream, Part part) {
   unsigned long long* seen = &Local(a)->fab_seen[stream][word == proxy::kSent ? 0 : 1];
@@ -208,14 +208,17 @@ __device__ __forceinline__ void TracePart0(const KernelArgs& a, Part part, int h
 
 // Ends a part of a half: its stores are ordered before its arrival (barrier, then one system-scope fence by thread 0,
 // as cooperative groups' grid sync does); the last part to arrive runs `last()` (signals the peers, advances the
-// epoch), publishes the launch's error and re-arms the part counter for the next launch.
+// epoch), publishes the launch's error and re-arms the part counter for the next launch. `fenced`: the part's thread
+// 0 ran that barrier and fence itself after the block's last store (dispatch_send's pack blocks, before their bell's
+// count), so this arrival needs neither again (a system fence waits for the block's stores to drain, on the launch's tail). A
+// store such a part makes after its fence is not ordered before its arrival.
 template <typename Last>
-__device__ __forceinline__ void FinishPart(const KernelArgs& a, Part part, int half, Last last) {
-  __syncthreads();
+__device__ __forceinline__ void FinishPart(const KernelArgs& a, Part part, int half, Last last, bool fenced = false) {
+  if (!fenced) __syncthreads();
   if (threadIdx.x == 0) {
     LocalSync* ls = Local(a);
     if (part.id == 0) Trace(a, half, ls->epoch[half] + 1, kTraceWork);
-    __threadfence_system();
+    if (!fenced) __threadfence_system();
     const unsigned prev = atomicAdd(&ls->done[half], 1u);
     if (prev == static_cast<unsigned>(part.count) - 1) {
       ls->done[half] = 0;

@@ -173,6 +173,10 @@ void RegisterCuda(nb::module_& m) {
         d["bytes"] = dev->fabric->BytesAllocated();
         d["remote_ranks"] = dev->args.num_remote;
         d["regions_per_lane"] = dev->fabric->regions_per_lane();
+        d["lanes"] = jax_moe::cuda::kFabricLanes;
+        nb::list regions;
+        for (uint64_t region : dev->fabric->RegionBytes()) regions.append(region);
+        d["region_bytes"] = regions;
         d["proxy_cpu"] = dev->fabric->proxy_cpu();
         d["proxy_cpus"] = dev->fabric->proxy_cpus();
         d["numa_node"] = dev->fabric->numa_node();
@@ -181,7 +185,8 @@ void RegisterCuda(nb::module_& m) {
         return d;
       },
       "The fabric of a device ({} without remote ranks): provider, where its areas live, their bytes and regions per "
-      "lane (one per remote rank), the core of "
+      "lane (one per remote rank), lanes and per stream a region's bytes, "
+      "the core of "
       "its proxy thread (-1: not pinned), the GPU's NUMA node and the one its pinned areas landed on (-1: unknown).");
   cuda.def(
       "fabric_trace",

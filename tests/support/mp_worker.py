@@ -141,8 +141,16 @@ def check_fabric_memory(comm) -> None:
         stages = asked == "staged" or (asked == "auto" and os.environ.get("CUDA_MODULE_LOADING") == "EAGER"
                                        and os.environ.get("JAX_MOE_CUDA_COMMAND_BUFFERS", "0") != "1")
         assert bool(i.get("staged")) == stages, f"fabric_memory={asked}: staged is {i.get('staged')}: {info}"
-        # the areas hold a region per rank on another node, none for this node's ranks
+        # the areas hold a region per rank on another node, none for this node's ranks: the count from the topology
+        # the test set (equal nodes of ranks_per_node consecutive ranks), and at least that many bytes allocated (a
+        # send and a receive area per stream, each mirrored in HBM when staged)
         assert i["regions_per_lane"] == i["remote_ranks"] > 0, f"areas not sized by the remote ranks: {info}"
+        per_node, ranks = comm.backend.options.ranks_per_node, comm.backend.options.num_ranks
+        if per_node:
+            assert i["regions_per_lane"] == ranks - per_node, \
+                f"{ranks} ranks in nodes of {per_node}: {info}"
+        areas = 2 * i["lanes"] * i["regions_per_lane"] * sum(i["region_bytes"]) * (2 if i["staged"] else 1)
+        assert i["bytes"] >= areas, f"{i['bytes']} bytes allocated, less than the areas' {areas}: {info}"
         if asked == "auto":  # and says which way it went
             assert ("staged through HBM instead" if stages else "not staged: ") in i["fallback"], info
         # where the preference was granted (mbind may be refused, a cpuset may exclude the node) and the kernel says
