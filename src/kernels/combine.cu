@@ -158,8 +158,10 @@ __device__ void SendSums(const KernelArgs& a, Part part, int ch, int mode, const
   }
 }
 
+// `polled`: block 0 of the launch polls the lane's kSent word in host memory (CombineSendKernel) while this part
+// reads the route's prefix, and this part then waits on block 0's device copy of the word only.
 template <int SumEntries = 1>
-__device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Part part) {
+__device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Part part, bool polled = false) {
   const int ch = io.channel, mode = io.mode;
   const uint8_t* y = static_cast<const uint8_t*>(io.expert_y);
   const int32_t* route = io.route;
@@ -169,6 +171,7 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Pa
   const int n = s.num_ranks, blocks = s.num_experts;
   int* sstart = reinterpret_cast<int*>(smem);             // remote ranks only: [blocks + 1] dispatch_recv's prefix of rows per (e, q) block
   int* qoff = sstart + blocks + 1; // [blocks]: where block (e, q)'s rows start in q's combine region
+  int* region_rows = qoff + blocks;  // [n]: the rows of remote q's region, for its header once the lane is free
   __shared__ int free_ok;
   const int half = kCombineSend + 2 * ch, flag = kCombineFlag + 2 * ch, ack = kCombineAck + 2 * ch;
   const unsigned long long epoch = Local(a)->epoch[half] + 1;
@@ -178,11 +181,6 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Pa
   // The token owners must have summed the last round in this slot before their combine areas are overwritten.
   if (threadIdx.x < n && !IsRemote(a, threadIdx.x))
     WaitAtLeast(a, Flags(a.base, a, ack) + threadIdx.x, SlotPredecessor(epoch), ack * kWaitStride + threadIdx.x);
-  if (threadIdx.x == 0) {
-    free_ok = a.num_remote == 0 ||
-              WaitFabric(a, fab, proxy::kSent, SlotPredecessor(epoch), ack * kWaitStride + FirstRemote(a), 1 + ch, part);
-    if (part.id == 0 && a.num_remote > 0) Trace(a, half, epoch, kTraceFree);
-  }
   const long long rows = s.max_recv_rows(), entries = s.entries();
   const long long cap = FabricCombineRows(s, ch);  // rows a region of this channel holds
   if (a.num_remote > 0) {
@@ -202,14 +200,23 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Pa
       } else {  // one summed row per slot of the region q sent (SendSums)
         at = ClampTokens(s, route[RouteSentOffset(s) + q]);
       }
-      if (part.id == 0 && free_ok) {
-        uint8_t* region = SendRegion(fab, a, epoch, q);
-        StoreHeader(region, fab, a, epoch, static_cast<int>(at));
-        fab.bytes[(epoch % kFabricLanes) * n + q] = FabricCombineBytes(s, at);
-      }
+      region_rows[q] = static_cast<int>(at);
     }
   }
+  // The NIC must be done with this lane's previous round before the regions are rewritten (the proxy's kSent). Only
+  // part id 0 of WaitFabric reads host memory: block 0 where it polls for the parts (`polled`: they pass id + 1).
+  if (threadIdx.x == 0) {
+    free_ok = a.num_remote == 0 ||
+              WaitFabric(a, fab, proxy::kSent, SlotPredecessor(epoch), ack * kWaitStride + FirstRemote(a), 1 + ch,
+                         polled ? Part{part.id + 1, part.count + 1} : part);
+    if (part.id == 0 && a.num_remote > 0) Trace(a, half, epoch, kTraceFree);
+  }
   __syncthreads();
+  if (a.num_remote > 0 && part.id == 0 && free_ok && threadIdx.x < n && IsRemote(a, threadIdx.x)) {
+    const int q = threadIdx.x;
+    StoreHeader(SendRegion(fab, a, epoch, q), fab, a, epoch, region_rows[q]);
+    fab.bytes[(epoch % kFabricLanes) * n + q] = FabricCombineBytes(s, region_rows[q]);
+  }
   TracePart0(a, part, half, epoch, kTraceWaited);
   long long total = route[rows];
   total = total < 0 ? 0 : (total > rows ? rows : total);
@@ -246,7 +253,7 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Pa
     WarpCopy16(Peer(a, q) + a.lay.comb + slot + (ch * entries + tk) * s.combine_row_bytes() + off, y + i * s.combine_row_bytes() + off, bytes, lane);
   }
   if (mode != kPerEntry) SendSums<SumEntries>(a, part, ch, mode, y, route, total, fab, epoch, a.num_remote > 0 && free_ok);
-  FinishPart(a, part, half, [&](LocalSync* ls) {
+  FinishPart(a, polled ? Part{part.id, part.count + 1} : part, half, [&](LocalSync* ls) {
     for (int p = 0; p < n; ++p)
       if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, flag) + a.rank, epoch);
     if (a.num_remote > 0) Trace(a, half, epoch, kTraceBell);
@@ -395,8 +402,36 @@ __device__ void CombineRecvBody(const KernelArgs& a, const CombineRecvIo& io, Pa
   });
 }
 
+// With ranks on other nodes block 0 polls the lane's kSent word for the other blocks (the parts, ids 0..), which
+// meanwhile read the route's prefix (a read of host memory in a part would hold its block's next barrier for a PCIe
+// round trip). Block 0 arrives too, as the last part id: else a part could run last() and advance the epoch before
+// block 0 read it (the parts need not wait for block 0 where an earlier poll already saw the word). Its last() is
+// CombineSendBody's, written out again: one helper for both made ptxas spill in this kernel and the one-shot kernel.
 __global__ void __launch_bounds__(kThreads) CombineSendKernel(KernelArgs a, CombineSendIo io) {
-  CombineSendBody<kSumEntries>(a, io, BlockPart());
+  if (a.num_remote == 0) {
+    CombineSendBody<kSumEntries>(a, io, BlockPart());
+    return;
+  }
+  const int parts = static_cast<int>(gridDim.x) - 1, block = static_cast<int>(blockIdx.x);
+  if (block > 0) {
+    CombineSendBody<kSumEntries>(a, io, Part{block - 1, parts}, /*polled=*/true);
+    return;
+  }
+  const int ch = io.channel;
+  const unsigned long long epoch = Local(a)->epoch[kCombineSend + 2 * ch] + 1;  // as the parts read it
+  if (threadIdx.x == 0)
+    WaitFabric(a, a.fab[1 + ch], proxy::kSent, SlotPredecessor(epoch),
+               (kCombineAck + 2 * ch) * kWaitStride + FirstRemote(a), 1 + ch, Part{0, 1});
+  const int half = kCombineSend + 2 * ch, flag = kCombineFlag + 2 * ch;
+  FinishPart(a, Part{parts, parts + 1}, half, [&](LocalSync* ls) {
+    for (int p = 0; p < a.s.num_ranks; ++p)
+      if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, flag) + a.rank, epoch);
+    Trace(a, half, epoch, kTraceBell);
+    if (!ls->timed_out) StoreReleaseSys(a.fab[1 + ch].bell + proxy::kRung, epoch);
+    ls->epoch[half] = epoch;
+    io.ticket[0] = static_cast<int32_t>(epoch);
+    io.ticket[1] = io.ticket[2] = io.ticket[3] = 0;
+  });
 }
 
 __global__ void __launch_bounds__(kRecvThreads, kRecvBlocksPerSm) CombineRecvKernel(KernelArgs a, CombineRecvIo io) {
@@ -431,7 +466,9 @@ long long RecvItems(const KernelArgs& a, int tokens, int vecs_a_lane) {
   return static_cast<long long>(tokens) * pieces;
 }
 
-size_t CombineSendSmem(const KernelArgs& a) { return a.num_remote > 0 ? sizeof(int) * (2 * a.s.num_experts + 1) : 0; }
+size_t CombineSendSmem(const KernelArgs& a) {
+  return a.num_remote > 0 ? sizeof(int) * (2 * a.s.num_experts + 1 + a.s.num_ranks) : 0;
+}
 size_t CombineRecvSmem(const KernelArgs& a) { return sizeof(int) * a.s.num_ranks; }
 
 // Parts of the one kernel's receive: a warp per (token, piece) item of kFusedRecvVecs, 0 when the one kernel does not
@@ -459,7 +496,12 @@ OnePlan CombinePlan(const KernelArgs& a, int mode, int tokens) {
 
 }  // namespace
 
-LaunchShape CombineSendShape(const KernelArgs& a, int mode) { return SendShapeFor(a, mode, a.s.max_tokens); }
+LaunchShape CombineSendShape(const KernelArgs& a, int mode) {
+  LaunchShape shape = SendShapeFor(a, mode, a.s.max_tokens);
+  // block 0 polls the lane for the others (CombineSendKernel): one block more, or at GridFor's bound one part fewer
+  if (a.num_remote > 0) shape.blocks = std::min(shape.blocks + 1, std::max(2, 2 * a.num_sms));
+  return shape;
+}
 
 LaunchShape CombineRecvShape(const KernelArgs& a, int tokens) {
   const long long blocks = (RecvItems(a, tokens, kRecvVecs) + kRecvThreads / 32 - 1) / (kRecvThreads / 32);

@@ -38,11 +38,13 @@ constexpr unsigned long long kErrorSeqMax = (1ull << (64 - kErrorSeqShift)) - 1;
 constexpr unsigned long long kErrorBody = (1ull << kErrorSeqShift) - 1;
 
 // Device-side trace (JAX_MOE_CUDA_TRACE=1, for the benchmark): per half and epoch (ring of kTraceRing), the
-// %globaltimer at block 0's start, when block 0's waits on peers were over, when block 0's work was done, and when
-// the last block finished (just before it signals the peers). The send halves with ranks on other nodes add the
-// phases of their fabric work: dispatch_send's pack block 0 its index ready (folded, or the index kernel's), the lane
-// free (the proxy's kSent seen), its tokens written, then the last pack block's bell; combine_send's block 0 the lane
-// free and its sums' tables ready (the self entries written), then the last block's bell. Zero where a half has none.
+// %globaltimer at part 0's start, when part 0's waits on peers were over, when part 0's work was done, and when
+// the last part finished (just before it signals the peers); part 0 is block 0, but for the send halves with ranks on
+// other nodes, whose block 0 polls the host for the others (dispatch_send: the first NVLink block; combine_send: block
+// 1). Those halves add the phases of their fabric work: dispatch_send's pack block 0 its index ready (folded, or the
+// index kernel's), the lane free (the proxy's kSent seen), its tokens written, then the last pack block's bell;
+// combine_send's part 0 the lane free and its sums' tables ready (the self entries written), then the last part's
+// bell. Zero where a half has none.
 constexpr int kTraceRing = 64;
 constexpr int kTracePoints = 8;
 enum TracePoint {

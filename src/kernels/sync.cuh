@@ -91,7 +91,7 @@ __device__ __forceinline__ void MaxReleaseSys(unsigned long long* p, unsigned lo
 // the proxy made visible before it raised the word, without a read of its own over PCIe: every block polling host
 // memory flooded the link that the receive kernels read their rows through, when the rows are in host memory.
 // Part 0 polls: only a half's own kernel waits on the fabric (never the one-shot kernel), and there part 0 is block 0
-// (dispatch_send's block 0 polls for its pack blocks, which follow it and wait with part ids from 1).
+// (dispatch_send's and combine_send's block 0 polls for the blocks after it, which wait with part ids from 1).
 __device__ __forceinline__ bool WaitFabric(const KernelArgs& a, const FabricArgs& f, int word, unsigned long long want,
                                            int which, int stream, Part part) {
   unsigned long long* seen = &Local(a)->fab_seen[stream][word == proxy::kSent ? 0 : 1];
