@@ -481,7 +481,8 @@ def test_the_launcher_gives_each_process_its_own_settings(monkeypatch, capsys):
     assert [e[processes.PROC_ENV].split(",")[0] for e in envs] == ["0", "1", "2"]
     assert processes.process_settings() == {"JAX_MOE_BENCH_ENV_1": f"JAX_MOE_TEST_ONE={value}  JAX_MOE_TEST_TWO=a=b"}
 
-    for bad, words in [("JAX_MOE_TEST_ONE", "not KEY=VALUE"), ("=1", "not KEY=VALUE"), ("1X=2", "not KEY=VALUE")]:
+    for bad, words in [("JAX_MOE_TEST_ONE", "not KEY=VALUE"), ("=1", "not KEY=VALUE"), ("1X=2", "not KEY=VALUE"),
+                       ("A=1 A=2", "A is set twice")]:
         envs.clear()
         monkeypatch.setenv("JAX_MOE_BENCH_ENV_1", bad)
         assert processes.launch(["--iters", "1"], 2) == 2 and envs == [], bad

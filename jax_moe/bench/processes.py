@@ -31,6 +31,8 @@ def process_env(i: int) -> dict[str, str]:
         if not sep or not ENV_KEY.fullmatch(key):
             raise ValueError(f"{name}={spec!r}: {item!r} is not KEY=VALUE; give space-separated KEY=VALUE settings, "
                              f"e.g. {name}='JAX_MOE_STAGE_PIECES=1'")
+        if key in out:  # as bench ab refuses it: which of the two was meant is unknowable
+            raise ValueError(f"{name}={spec!r}: {key} is set twice; keep one of its values")
         out[key] = value
     return out
 
