@@ -11,7 +11,7 @@ base=${OUT:-gpu_out}
 [ -n "$AB_COMBINE" ] && [ -z "$AB_LANDED" ] && patch -s -p1 < wip/combine-poll.patch
 # $AB_VERIFY: first the one-call verification of this tree (GPU suite, demo)
 [ -n "$AB_VERIFY" ] && OUT=$base/0verify bash tests/gpu/device_run.sh build,gpu,demo 2>&1 |
-  grep -E "SUMMARY|FAILED|Error|(passed|failed) in" | tail -20
+  grep --line-buffered -E "SUMMARY|FAILED|Error|(passed|failed) in"  # no tail: a call cut short keeps what it printed
 i=0
 for v in ${AB_ORDER:-A B A B}; do
   i=$((i + 1))
@@ -20,7 +20,7 @@ for v in ${AB_ORDER:-A B A B}; do
   # the floors (EP1 run, the engine's one-way) once, from the first run: neither depends on the variants
   [ $i -gt 1 ] && [ -z "$AB_FLOORS_EACH" ] && mkdir -p "$base/$i$v" && cp -r "$base/1"*/floor_cache "$base/$i$v/" 2>/dev/null
   OUT=$base/$i$v NODES_PROVIDERS=${NODES_PROVIDERS:-shm} NODES_MEMORY=staged NODES_SHAPE=${NODES_SHAPE:-decode} \
-    NODES_ITERS=${NODES_ITERS:-100} bash tests/gpu/device_run.sh build,nodes 2>&1 | grep -E "SUMMARY|^(decode|prefill) .*(dispatch_send|combine_send|dispatch |combine ) "
+    NODES_ITERS=${NODES_ITERS:-100} bash tests/gpu/device_run.sh build,nodes 2>&1 | grep --line-buffered -E "SUMMARY|^(decode|prefill) .*(dispatch_send|combine_send|dispatch |combine ) "
   grep -hE "trace gpu0|stamp gaps gpu0" "$base/$i$v"/nodes_*.log | sort -u  # the stage prints only its log's tail
   [ "$v" = B ] && patch -s -R -p1 < wip/ab/pack-wait-first.patch
   [ "$v" = B ] && [ -n "$AB_COMBINE" ] && patch -s -p1 < wip/combine-poll.patch
