@@ -214,7 +214,7 @@ std::pair<std::string, std::vector<std::string>> OpenFabric(int64_t id, int ordi
   if (IndexSharedBytes(s) > size_t(smem)) {
     Throw(ErrorCode::kInvalidArgument, "jax_moe cuda: " + std::to_string(s.local_experts) +
                                            " experts per rank are too many for ranks on other nodes on this GPU (the "
-                                           "index kernel keeps 32 bits per expert and warp in its " +
+                                           "index keeps 32 bits per expert and warp in a block's " +
                                            std::to_string(smem) + " bytes of shared memory): use more ranks");
   }
   DeviceScope scope(ordinal);

@@ -487,11 +487,15 @@ LaunchShape DispatchSendShape(const KernelArgs& a, int tokens) {
   return {FabricBlocks(DispatchPackPlan(a, tokens).blocks) + SendShape(a, tokens).blocks, kThreads};
 }
 LaunchShape DispatchRecvShape(const KernelArgs& a) { return RecvShape(a); }
+size_t PackStaticBytes() {
+  cudaFuncAttributes attr{};
+  return cudaFuncGetAttributes(&attr, DispatchSendKernel) == cudaSuccess ? attr.sharedSizeBytes : 1024;
+}
 LaunchShape DispatchShape(const KernelArgs& a, int tokens) { return {DispatchPlan(a, tokens).blocks, kThreads}; }
 
 cudaError_t LaunchDispatchSend(const KernelArgs& a, const DispatchSendIo& io, cudaStream_t stream) {
   const PackPlan pack = DispatchPackPlan(a, io.tokens);
-  if (cudaError_t err = LaunchDispatchIndex(a, pack, io.tokens, io.topk_idx, stream); err != cudaSuccess) return err;
+  if (cudaError_t err = AllowSmem(DispatchSendKernel, pack.smem); err != cudaSuccess) return err;
   const int grid = FabricBlocks(pack.blocks) + SendShape(a, io.tokens).blocks;
   DispatchSendKernel<<<grid, kThreads, pack.smem, stream>>>(a, io, pack.blocks, pack.per_rank, pack.fold);
   return cudaGetLastError();

@@ -1,9 +1,10 @@
 // The kernels of ranks on other nodes (regions the host proxy moves; layout in moe_layout.h, "ranks on other
-// nodes"): the index of where each token and entry goes in a remote rank's region (IndexKernel, once per call and
-// stream, derived as fabric_mark.cuh says; at decode dispatch_send's pack blocks derive it themselves; its readers in
-// fabric_index.cuh), and the plan of dispatch_send's pack blocks (their body: fabric_pack.cuh, run inside
-// dispatch_send's kernel). combine_recv reads its remote rows from its channel's index. Launched next to the NVLink
-// kernels of the same half, only when the Communicator has remote ranks.
+// nodes"): the index of where each token and entry goes in a remote rank's region (derived as fabric_mark.cuh says:
+// for combine_recv by IndexKernel, once per call and channel; for dispatch_send by its own pack blocks, each in its
+// shared memory at decode, together in global memory beyond; its readers in fabric_index.cuh), and the plan of
+// dispatch_send's pack blocks (their body: fabric_pack.cuh, run inside dispatch_send's kernel). combine_recv reads
+// its remote rows from its channel's index. Launched next to the NVLink kernels of the same half, only when the
+// Communicator has remote ranks.
 //
 // The index: a chunk of 32 tokens has a mask saying which of its tokens have an entry on p and per-expert bits saying
 // which have an entry with expert e; the last block of p's chunks adds up the chunks before each chunk. A token's slot
@@ -18,9 +19,6 @@
 
 namespace jax_moe::cuda {
 namespace {
-
-// IndexKernel's dynamic shared memory with lists: 32 bits per local expert and warp.
-size_t IndexBitsBytes(int l) { return sizeof(unsigned) * kWarps * size_t(l); }
 
 // The index of `stream` (0: dispatch_send, 1 + c: combine_recv of channel c) for every remote rank: block (i, b) of
 // `per_rank` serves the i-th remote rank p, its warp w marks chunk 8b + w. The last of p's blocks then derives p's
@@ -68,7 +66,9 @@ cudaError_t LaunchIndex(const KernelArgs& a, int stream, bool lists, int tokens,
 
 size_t IndexSharedBytes(const MoeShape& s) {
   cudaFuncAttributes attr{};  // its static shared memory shares the opt-in limit with the dynamic bits
-  const size_t fixed = cudaFuncGetAttributes(&attr, IndexKernel) == cudaSuccess ? attr.sharedSizeBytes : 1024;
+  size_t fixed = cudaFuncGetAttributes(&attr, IndexKernel) == cudaSuccess ? attr.sharedSizeBytes : 1024;
+  const size_t pack = PackStaticBytes();  // dispatch_send's kernel keeps the same bits where its pack blocks derive
+  if (pack > fixed) fixed = pack;
   return fixed + IndexBitsBytes(s.local_experts);
 }
 
@@ -77,9 +77,12 @@ PackPlan DispatchPackPlan(const KernelArgs& a, int tokens) {
   if (a.num_remote <= 0) return plan;
   // At decode an index launch cost what it saved the pack: each pack block derives the index in shared memory
   // instead. That stays under the 48 KiB a launch gets without opting in, beside the kernel's static shared memory.
+  // Beyond, a rank's pack blocks derive it together in global memory (DeriveIndex), with their warps' marks in
+  // shared memory: an index launch before the kernel held back its NVLink blocks, which do not read it (prefill,
+  // 2026-12-07: 13-20 us of dispatch_send's ~100).
   constexpr size_t kFoldMost = 40 * 1024;
   plan.fold = (tokens + kIndexChunk - 1) / kIndexChunk <= kWarps && FoldBytes(a.s.local_experts) <= kFoldMost;
-  plan.smem = plan.fold ? FoldBytes(a.s.local_experts) : 0;
+  plan.smem = plan.fold ? FoldBytes(a.s.local_experts) : IndexBitsBytes(a.s.local_experts);
   // A warp per token, at most one block per SM in all with block 0, which polls for them (FabricBlocks): the kernel
   // fits two an SM, so the NVLink blocks launched
   // after them find room beside them rather than wait for them to end (prefill, 2026-12-04: with two pack blocks an
@@ -90,12 +93,6 @@ PackPlan DispatchPackPlan(const KernelArgs& a, int tokens) {
   plan.per_rank = per < 1 ? 1 : per;
   plan.blocks = plan.per_rank * a.num_remote;
   return plan;
-}
-
-cudaError_t LaunchDispatchIndex(const KernelArgs& a, const PackPlan& plan, int tokens, const int32_t* topk_idx,
-                                cudaStream_t stream) {
-  if (plan.blocks == 0 || plan.fold) return cudaSuccess;
-  return LaunchIndex(a, 0, true, tokens, topk_idx, stream);
 }
 
 cudaError_t LaunchCombineIndex(const KernelArgs& a, int channel, int mode, int tokens, const int32_t* topk_idx,

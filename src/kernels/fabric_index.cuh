@@ -1,7 +1,8 @@
-// The remote ranks' index (MoeLayout::fmask ... foff; written by IndexKernel, kernels/fabric.cu) and its readers:
-// where a token goes among a remote rank p's slots, and an entry among p's entries. Per remote rank p, tokens with an
-// entry on p are numbered in token order (their slots: dispatch sends and combine returns them in this order), p's
-// entries in (local expert, token) order (the lists). Tokens go in chunks of kIndexChunk = 32, a bit each.
+// The remote ranks' index (MoeLayout::fmask ... foff; written by IndexKernel, kernels/fabric.cu, and by dispatch_send's
+// pack blocks, fabric_pack.cuh) and its readers: where a token goes among a remote rank p's slots, and an entry among
+// p's entries. Per remote rank p, tokens with an entry on p are numbered in token order (their slots: dispatch sends
+// and combine returns them in this order), p's entries in (local expert, token) order (the lists). Tokens go in
+// chunks of kIndexChunk = 32, a bit each.
 #pragma once
 #include <cstdint>
 

@@ -1,6 +1,7 @@
 // How the remote ranks' index (fabric_index.cuh) is derived from topk_idx: chunks of 32 tokens marked by a warp each,
-// then the bases added up by one block. IndexKernel (fabric.cu) does it once per call and stream in global memory; at
-// decode dispatch_send's pack blocks (fabric_pack.cuh) each do it in their own shared memory (`SharedIndex`).
+// then the bases added up by one block. IndexKernel (fabric.cu) does it once per call in global memory for combine_recv;
+// dispatch_send's pack blocks (fabric_pack.cuh) at decode each in their own shared memory (`SharedIndex`), beyond
+// together in global memory (`DeriveIndex`).
 #pragma once
 #include <cstddef>
 #include <cstdint>

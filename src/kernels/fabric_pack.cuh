@@ -23,10 +23,66 @@ __device__ inline void DispatchPollBody(const KernelArgs& a, unsigned long long 
                Part{0, 1});
 }
 
+// p's index in global memory, derived by p's per_rank pack blocks together (prefill: more chunks than a block's warps):
+// block b marks chunks b * kWarps + warp, + per_rank * kWarps, ... (its warps' lists bits in `bits`, kWarps x l words
+// of shared memory), the last of them to arrive adds them up and publishes `epoch` in fready[p], and the others wait
+// for that (the last one is running, so the wait needs no block to be resident beside it). This replaced an index
+// launch before the kernel, which the NVLink blocks' expert lists waited for though they do not read it. False where
+// the wait timed out or a wait before it did.
+__device__ inline bool DeriveIndex(const KernelArgs& a, const RankIndex& ix, int p, int b, int per_rank, int tokens,
+                                   const int32_t* idx, unsigned long long epoch, uint32_t* bits, int* sums) {
+  __shared__ int last, ok;
+  const int l = a.s.local_experts, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int chunks = (tokens + kIndexChunk - 1) / kIndexChunk;
+  uint32_t* wb = bits + warp * l;
+  for (int c = b * kWarps + warp; c < chunks; c += per_rank * kWarps) {  // the same for the whole warp
+    MarkChunk(a, p, c, tokens, idx, true, ix.mask + c, wb);
+    for (int e = lane; e < l; e += 32) ix.bits[static_cast<size_t>(c) * l + e] = wb[e];
+    __syncwarp();  // wb's words are read before the next chunk's MarkChunk clears them
+  }
+  // The last of p's blocks sees all of p's chunks (each thread's stores fenced before its block arrives).
+  unsigned* done = reinterpret_cast<unsigned*>(a.base + a.lay.fdone) + p;  // stream 0's counters
+  unsigned long long* ready = reinterpret_cast<unsigned long long*>(a.base + a.lay.fready) + p;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(done, 1u) == static_cast<unsigned>(per_rank) - 1;
+  __syncthreads();
+  if (last) {
+    __threadfence();
+    if (threadIdx.x == 0) *done = 0;  // all of p's blocks have arrived: re-armed for the next launch
+    IndexPrefixes<true>(a, ix, chunks, true, sums);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      StoreRelease(ready, epoch);
+    }
+    return true;
+  }
+  if (threadIdx.x == 0) {
+    volatile int* timed_out = &Local(a)->timed_out;
+    const unsigned long long start = GlobalTimer();
+    ok = 1;
+    while (LoadAcquire(ready) < epoch) {
+      if (*timed_out) { ok = 0; break; }  // an earlier wait gave up (the last block still adds up)
+      if (static_cast<long long>(GlobalTimer() - start) > a.timeout_ns) {
+        RaiseError(a, kTimeout, kDispatchAck * kWaitStride + p);
+        *timed_out = 1;
+        ok = 0;
+        break;
+      }
+      __nanosleep(64);
+    }
+    __threadfence();  // the index's words are read after the word that says they are there (as a grid barrier does)
+  }
+  __syncthreads();
+  return ok != 0;
+}
+
 // Pack block `block` of `blocks` (per_rank for each remote rank) serves the i-th remote rank p = RemoteRank(block /
-// per_rank) from the dispatch index (IndexKernel, before this launch in stream order; with `fold`, its own copy in
-// `own`, FoldBytes of shared memory): a warp per token t = (b * kWarps + warp) + k * per_rank * kWarps writes its
-// entries into the lists (lane k: entry k) and its record. The last pack block rings the bell. `epoch`: this call's.
+// per_rank) from the dispatch index (with `fold`, its own copy in `own`, FoldBytes of shared memory; else the one p's
+// blocks derive together, DeriveIndex, `own` holding IndexBitsBytes for its marks): a warp per token t = (b * kWarps
+// + warp) + k * per_rank * kWarps writes its entries into the lists (lane k: entry k) and its record. The last pack
+// block rings the bell. `epoch`: this call's.
 __device__ inline void DispatchPackBody(const KernelArgs& a, const DispatchSendIo& io, int per_rank, bool fold,
                                         int block, int blocks, unsigned long long epoch, uint32_t* own) {
   __shared__ int sums[kWarps];
@@ -52,11 +108,12 @@ __device__ inline void DispatchPackBody(const KernelArgs& a, const DispatchSendI
     __syncthreads();
     IndexPrefixes<false>(a, ix, chunks, true, sums);
   }
+  const bool indexed = fold || p < 0 || DeriveIndex(a, ix, p, b, per_rank, tokens, idx, epoch, own, sums);
   if (head) Trace(a, kDispatchSend, epoch, kTraceIndexed);  // thread 0's view (no barrier of its own)
   // The NIC must be done with this lane's previous round before it is rewritten (the proxy's kSent): the poll
   // block's device copy of the host word (a part id other than 0 never reads host memory).
   if (threadIdx.x == 0)
-    free_ok = p >= 0 && WaitFabric(a, fab, proxy::kSent, SlotPredecessor(epoch), kDispatchAck * kWaitStride + p, 0,
+    free_ok = p >= 0 && indexed && WaitFabric(a, fab, proxy::kSent, SlotPredecessor(epoch), kDispatchAck * kWaitStride + p, 0,
                                    Part{block + 1, blocks + 1});
   __syncthreads();
   if (head) Trace(a, kDispatchSend, epoch, kTraceFree);

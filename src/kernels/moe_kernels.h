@@ -79,7 +79,7 @@ cudaError_t LaunchCombine(const KernelArgs& a, const CombineSendIo& send, const 
 
 // Blocks and threads per block of the kernel of each half (the launchers use them; the benchmark reports them): how
 // many SMs a half occupies while its data is in flight. dispatch_send's include the pack blocks of ranks on other
-// nodes and the block that polls for them; their index kernels (past decode) come before it.
+// nodes and the block that polls for them, which derive their index themselves.
 struct LaunchShape {
   int blocks = 0;
   int threads = 0;

@@ -41,10 +41,10 @@ constexpr unsigned long long kErrorBody = (1ull << kErrorSeqShift) - 1;
 // %globaltimer at part 0's start, when part 0's waits on peers were over, when part 0's work was done, and when
 // the last part finished (just before it signals the peers); part 0 is block 0, but for the send halves with ranks on
 // other nodes, whose block 0 polls the host for the others (dispatch_send: the first NVLink block; combine_send: block
-// 1). Those halves add the phases of their fabric work: dispatch_send's pack block 0 its index ready (folded, or the
-// index kernel's), the lane free (the proxy's kSent seen), its tokens written, then the last pack block's bell;
-// combine_send's part 0 the lane free and its sums' tables ready (the self entries written), then the last part's
-// bell. Zero where a half has none.
+// 1). Those halves add the phases of their fabric work: dispatch_send's pack block 0 its index ready (folded alone, or
+// derived with the rank's other pack blocks), the lane free (the proxy's kSent seen), its tokens written, then the
+// last pack block's bell; combine_send's part 0 the lane free and its sums' tables ready (the self entries written),
+// then the last part's bell. Zero where a half has none.
 constexpr int kTraceRing = 64;
 constexpr int kTracePoints = 8;
 enum TracePoint {
@@ -101,15 +101,17 @@ struct MoeLayout {
                       // rank's own rows are not copied: combine_recv reads them from expert_y)
   size_t combine_slot = 0;  // bytes of one slot's combine fields
   // The remote ranks' index, per fabric stream f (0: dispatch_send, 1 + c: combine_recv of channel c), derived from
-  // topk_idx once per call (IndexKernel, kernels/fabric.cu). Tokens go in chunks of kIndexChunk (C = IndexChunks):
+  // topk_idx once per call (combine: IndexKernel, kernels/fabric.cu; dispatch: its pack blocks, fabric_pack.cuh).
+  // Tokens go in chunks of kIndexChunk (C = IndexChunks):
   size_t fmask = 0;   // uint32 [streams][n][C]: bit j of chunk c: token 32c + j has an entry on rank p
   size_t fsbase = 0;  // int32 [streams][n][C]: tokens with an entry on p in the chunks before c (p's slots)
   size_t fbits = 0;   // uint32 [streams][n][C][l]: bit j: token 32c + j has an entry with p's local expert e
   size_t fbase = 0;   // int32 [streams][n][C][l]: entries with p's expert e in the chunks before c
   size_t foff = 0;    // int32 [streams][n][l + 2]: where expert e's entries start among p's; [l]: p's entries,
                       // [l + 1]: p's slots
-  size_t fdone = 0;   // uint32 [streams][n]: blocks of the running IndexKernel launch done with p's chunks (the last
-                      // one adds them up, then re-arms it)
+  size_t fdone = 0;   // uint32 [streams][n]: blocks of the running launch done with p's chunks (IndexKernel's, or at
+                      // stream 0 dispatch_send's pack blocks'; the last one adds them up, then re-arms it)
+  size_t fready = 0;  // uint64 [n]: the dispatch_send call whose index of p its pack blocks have derived (DeriveIndex)
   size_t total = 0;
 };
 
@@ -173,6 +175,7 @@ inline MoeLayout MakeLayout(const MoeShape& s) {
   m.fbase = take(sizeof(int32_t) * chunks * s.local_experts);
   m.foff = take(sizeof(int32_t) * kFabricStreams * s.num_ranks * (s.local_experts + 2));
   m.fdone = take(sizeof(uint32_t) * kFabricStreams * s.num_ranks);
+  m.fready = take(sizeof(unsigned long long) * s.num_ranks);
   m.total = at;
   return m;
 }

@@ -215,8 +215,9 @@ def main() -> None:
                 check_roundtrip(big, n, xb, ib, wb, None, outs)
         if not fp8 and backend == "cuda":
             # The remote ranks' index takes chunks of 32 tokens, 8 a block: 256 tokens fit one block (dispatch_send's
-            # pack derives the index itself), 257 and 2050 take the index kernel (several blocks, the last chunk
-            # partial). Rows repeat an expert (only the first counts).
+            # pack blocks each derive the index alone), 257 and 2050 have a rank's pack blocks derive it together
+            # (several blocks, some with no chunk, the last chunk partial). Rows repeat an expert (only the first
+            # counts).
             long = jax_moe.Communicator(jax_moe.MoEConfig(e, r, 128, 2100), mesh, "ep", backend=backend)
             comms.append(long)
             for tl in (256, 257, 2050):
