@@ -2,6 +2,7 @@
 tests/fabric/test_fabric_bench.py does the same for the fabric benchmark."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -352,6 +353,39 @@ def test_profiled_writes_a_trace_only_when_asked(tmp_path, monkeypatch):
     with diagnostics.profiled(1):
         jnp.ones(4).block_until_ready()
     assert list(tmp_path.glob("p1/**/perfetto_trace.json.gz")), list(tmp_path.rglob("*"))
+
+
+def test_profiled_reports_only_its_own_run(tmp_path, monkeypatch, capsys):
+    """A profile folder used before (another shape, an earlier call) keeps its traces; the table after a run counts
+    only the trace that run wrote."""
+    import gzip
+    import json
+
+    from jax_moe.bench import diagnostics
+
+    def trace(where, runs):
+        where.mkdir(parents=True)
+        events = [{"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}}]
+        events += [{"ph": "X", "pid": 7, "tid": 3, "ts": 10.0 * i, "dur": 2.0, "name": "OldKernel"} for i in range(runs)]
+        with gzip.open(where / "perfetto_trace.json.gz", "wt") as f:
+            json.dump({"traceEvents": events}, f)
+
+    runs = int(np.random.default_rng().integers(2, 9))
+    trace(tmp_path / "p0" / "earlier", runs)  # a previous run's trace in the same folder
+    monkeypatch.setenv("JAX_MOE_BENCH_PROFILE", str(tmp_path))
+    monkeypatch.setattr(diagnostics.jax.profiler, "trace", lambda folder, **_: _writes(trace, tmp_path / "p0" / "now"))
+    with diagnostics.profiled(0):
+        pass
+    out = capsys.readouterr().out
+    assert "no GPU activity" in out and "OldKernel" not in out  # this run's trace has no kernel
+    assert f"OldKernel {runs}" in " ".join(diagnostics.kernel_table(str(tmp_path / "p0")).split())
+
+
+@contextlib.contextmanager
+def _writes(trace, where):
+    """jax.profiler.trace's stand-in: the run's trace (no kernels) appears when the block ends."""
+    yield
+    trace(where, 0)
 
 
 def test_kernel_table_reads_the_gpu_rows_of_a_perfetto_trace(tmp_path):

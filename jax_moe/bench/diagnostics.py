@@ -26,11 +26,19 @@ def profiled(process: int) -> ContextManager:
     return _profiled(os.path.join(where, f"p{process}"))
 
 
+def _traces(folder: str) -> set[str]:
+    import glob
+
+    return set(glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True))
+
+
 @contextlib.contextmanager
 def _profiled(folder: str):
+    before = _traces(folder)  # a folder used before (another shape, another run) keeps its traces: not this run's
     with jax.profiler.trace(folder, create_perfetto_trace=True):
         yield
-    print(f"[moe] GPU activity of the timed runs ({folder}):\n{kernel_table(folder)}", flush=True)
+    table = kernel_table(folder, paths=sorted(_traces(folder) - before))
+    print(f"[moe] GPU activity of the timed runs ({folder}):\n{table}", flush=True)
 
 
 def _short_name(name: str) -> str:
@@ -41,18 +49,17 @@ def _short_name(name: str) -> str:
     return name.rsplit("::", 1)[-1].strip() or "?"
 
 
-def kernel_table(folder: str, rows: int = 16) -> str:
-    """The GPU's activities (kernels, copies) in the perfetto traces under `folder`, by short name: count, p50 and p99
-    duration in us, and the p50 gap before each: from the end of the activity before it on the same stream (tid) to
-    its start, the launch latency a stamp-to-stamp timing holds beside the kernels' own time; the `rows` with the most
-    time in all."""
-    import glob
+def kernel_table(folder: str, rows: int = 16, paths: Optional[list[str]] = None) -> str:
+    """The GPU's activities (kernels, copies) in the perfetto traces under `folder` (or the traces `paths`), by short
+    name: count, p50 and p99 duration in us, and the p50 gap before each: from the end of the activity before it on
+    the same stream (tid) to its start, the launch latency a stamp-to-stamp timing holds beside the kernels' own
+    time; the `rows` with the most time in all."""
     import gzip
     import json
 
     durs: dict[str, list[float]] = {}
     gaps: dict[str, list[float]] = {}
-    for path in glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True):
+    for path in sorted(_traces(folder)) if paths is None else paths:
         with gzip.open(path, "rt") as f:
             events = json.load(f).get("traceEvents", [])
         gpu = {e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
