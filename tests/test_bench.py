@@ -359,7 +359,6 @@ def test_profiled_reports_only_its_own_run(tmp_path, monkeypatch, capsys):
     """A profile folder used before (another shape, an earlier call) keeps its traces; the table after a run counts
     only the trace that run wrote."""
     import gzip
-    import json
 
     from jax_moe.bench import diagnostics
 

@@ -31,7 +31,7 @@ for v in ${AB_ORDER:-A B A B}; do
 done
 # $AB_PROFILE: one more run of A under jax.profiler (the floors from the first run's cache): each kernel's duration
 # and the gap before it on its stream, beside the stamp-to-stamp p50s
-[ -n "$AB_PROFILE" ] && rm -rf /tmp/jax_moe_prof && mkdir -p "$base/prof" && cp -r "$base/1"*/floor_cache "$base/prof/" 2>/dev/null
+[ -n "$AB_PROFILE" ] && mkdir -p "$base/prof" && cp -r "$base/1"*/floor_cache "$base/prof/" 2>/dev/null
 [ -n "$AB_PROFILE" ] && OUT=$base/prof JAX_MOE_BENCH_PROFILE=/tmp/jax_moe_prof NODES_PROVIDERS=${NODES_PROVIDERS:-shm} \
   NODES_MEMORY=staged NODES_SHAPE=${NODES_SHAPE:-decode} NODES_ITERS=${NODES_ITERS:-100} \
   bash tests/gpu/device_run.sh nodes 2>&1 | grep -E -A18 "GPU activity|^(decode|prefill) .*(dispatch_send|combine_send) "
