@@ -30,6 +30,11 @@ DeviceReport Report(const DeviceComm& dev, unsigned long long word) {
       static const char* const kWhat[] = {"its dispatched tokens", "its acknowledgement of our dispatch",
                                           "its combined rows", "its acknowledgement of our combine"};
       const int flag = detail / kWaitStride;  // FlagKind; the combine kinds repeat per channel
+      if (flag == kIndexWait)  // no peer in it: blocks of this GPU's own launch
+        return {true, ErrorCode::kTimeout,
+                "jax_moe cuda: dispatch_send's blocks deriving the index of " + Name(dev, detail % kWaitStride) +
+                    "'s region waited for one another past the timeout: some of them got no SM (another kernel or "
+                    "process held the GPU's SMs); this Communicator cannot go on: build a new Communicator"};
       if (flag < 0 || flag >= kFlagKinds)
         return {true, ErrorCode::kTimeout, "jax_moe cuda: a wait timed out (" + std::to_string(detail) + ")"};
       const int what = flag < kCombineFlag ? flag : kCombineFlag + (flag - kCombineFlag) % 2;

@@ -254,10 +254,10 @@ __device__ void CombineSendBody(const KernelArgs& a, const CombineSendIo& io, Pa
   }
   if (mode != kPerEntry) SendSums<SumEntries>(a, part, ch, mode, y, route, total, fab, epoch, a.num_remote > 0 && free_ok);
   FinishPart(a, polled ? Part{part.id, part.count + 1} : part, half, [&](LocalSync* ls) {
-    for (int p = 0; p < n; ++p)
-      if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, flag) + a.rank, epoch);
+    // The bell first: the wire is the longer way.
     if (a.num_remote > 0) Trace(a, half, epoch, kTraceBell);
     if (a.num_remote > 0 && !ls->timed_out) StoreReleaseSys(fab.bell + proxy::kRung, epoch);
+    RaiseNodeFlags(a, flag, epoch);
     ls->epoch[half] = epoch;
     ticket[0] = static_cast<int32_t>(epoch);
     ticket[1] = ticket[2] = ticket[3] = 0;
@@ -396,8 +396,7 @@ __device__ void CombineRecvBody(const KernelArgs& a, const CombineRecvIo& io, Pa
   }
   FinishPart(a, part, half, [&](LocalSync* ls) {
     ls->epoch[half] = epoch;
-    for (int p = 0; p < s.num_ranks; ++p)
-      if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, ack) + a.rank, epoch);
+    RaiseNodeFlags(a, ack, epoch);
     if (a.num_remote > 0) StoreReleaseSys(fab.bell + proxy::kRead, epoch);  // the proxy gives the senders credit
   });
 }
@@ -424,10 +423,9 @@ __global__ void __launch_bounds__(kThreads) CombineSendKernel(KernelArgs a, Comb
                (kCombineAck + 2 * ch) * kWaitStride + FirstRemote(a), 1 + ch, Part{0, 1});
   const int half = kCombineSend + 2 * ch, flag = kCombineFlag + 2 * ch;
   FinishPart(a, Part{parts, parts + 1}, half, [&](LocalSync* ls) {
-    for (int p = 0; p < a.s.num_ranks; ++p)
-      if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, flag) + a.rank, epoch);
     Trace(a, half, epoch, kTraceBell);
     if (!ls->timed_out) StoreReleaseSys(a.fab[1 + ch].bell + proxy::kRung, epoch);
+    RaiseNodeFlags(a, flag, epoch);
     ls->epoch[half] = epoch;
     io.ticket[0] = static_cast<int32_t>(epoch);
     io.ticket[1] = io.ticket[2] = io.ticket[3] = 0;

@@ -24,8 +24,7 @@ __device__ void DispatchSendArrive(const KernelArgs& a, const DispatchSendIo& io
   FinishPart(
       a, part, kDispatchSend,
       [&](LocalSync* ls) {
-        for (int p = 0; p < a.s.num_ranks; ++p)
-          if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchFlag) + a.rank, epoch);
+        RaiseNodeFlags(a, kDispatchFlag, epoch);
         ls->epoch[kDispatchSend] = epoch;
         io.ticket[0] = static_cast<int32_t>(epoch);
         io.ticket[1] = io.ticket[2] = io.ticket[3] = 0;
@@ -85,6 +84,37 @@ __device__ int ListExpert(const int32_t* idx, int tokens, int r, int g, int32_t*
   return running;
 }
 
+// The expert lists of this node's ranks from their index (list_index.cu): a warp per token, lane k its entry k if it is
+// the first naming a valid expert and that expert is on this node, at its place in the list; a part per rank writes
+// the rank's counts. The same lists ListExpert writes (token order within each expert).
+__device__ void IndexedLists(const KernelArgs& a, const int32_t* idx, int tokens, Part part, size_t slot) {
+  const MoeShape& s = a.s;
+  const int r = s.experts_per_token, l = s.local_experts, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int q = part.id; q < s.num_ranks; q += part.count) {  // the same for the whole block
+    if (IsRemote(a, q)) continue;
+    const RankIndex ix = IndexOf(a, 0, q);
+    int32_t* counts = reinterpret_cast<int32_t*>(Peer(a, q) + a.lay.counts + slot) + a.rank * l;
+    for (int e = threadIdx.x; e < l; e += blockDim.x) counts[e] = ix.off[e];
+  }
+  for (int t = part.id * kWarps + warp; t < tokens; t += part.count * kWarps) {  // the same for the whole warp
+    const int g = lane < r ? idx[static_cast<size_t>(t) * r + lane] : -1;
+    bool first = g >= 0 && g < s.num_experts;
+    for (int k = 0; k + 1 < r; ++k) {
+      const int h = __shfl_sync(0xffffffffu, g, k);
+      if (k < lane && h == g) first = false;
+    }
+    const int q = first ? g / l : 0;
+    if (!first || IsRemote(a, q)) continue;
+    const int e = g - q * l;
+    int32_t* list = reinterpret_cast<int32_t*>(Peer(a, q) + a.lay.list + slot) +
+                    (static_cast<size_t>(a.rank) * l + e) * s.max_tokens;
+    // Its place in expert e's own list (an NVLink list is one per expert: no expert offset, unlike EntryOf's).
+    const RankIndex ix = IndexOf(a, 0, q);
+    const size_t at = static_cast<size_t>(t / kIndexChunk) * l + e;
+    list[ix.base[at] + __popc(ix.bits[at] & Below(t % kIndexChunk))] = t * r + lane;
+  }
+}
+
 // dispatch_send. Two independent jobs share the grid, so one launch does both:
 //  - per (token, rank) pair, one warp: if any expert of the token lives on that rank, copy the token (its fp8
 //    scales, its router weights when given) once into tokens[my_rank][t] there. Over NVLink that is each token once per rank, not once per (t, k).
@@ -94,7 +124,9 @@ __device__ int ListExpert(const int32_t* idx, int tokens, int r, int g, int32_t*
 // Ids outside [0, E) other than -1 are masked and reported (every part checks a share of them: one block alone took
 // ~50 us at prefill). `others`: blocks of other work in the same launch (the remote ranks' pack) that arrive at the
 // half's end too (DispatchSendArrive), so the epoch advances only after every block of the launch has read it.
-__device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io, Part part, int others = 0) {
+// `indexed`: the expert lists from the node's index (list_index.cu, launched before) instead of ListExpert.
+__device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io, Part part, int others = 0,
+                                 bool indexed = false) {
   const int tokens = io.tokens;
   const uint8_t* x = static_cast<const uint8_t*>(io.x);
   const uint8_t* xs = static_cast<const uint8_t*>(io.x_scale);
@@ -148,6 +180,11 @@ __device__ void DispatchSendBody(const KernelArgs& a, const DispatchSendIo& io, 
       reinterpret_cast<float*>(dst + s.x_bytes() + s.scale_bytes())[lane] = w[static_cast<size_t>(t) * r + lane];
   }
 
+  if (indexed) {
+    IndexedLists(a, idx, tokens, part, slot);
+    DispatchSendArrive(a, io, Part{part.id, part.count + others}, epoch);
+    return;
+  }
   for (int g = part.id; g < experts; g += part.count) {
     const int p = g / s.local_experts, e = g - p * s.local_experts;
     if (IsRemote(a, p)) continue;  // the same for the whole block
@@ -409,8 +446,7 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io, 
   }
   FinishPart(a, part, kDispatchRecv, [&](LocalSync* ls) {
     ls->epoch[kDispatchRecv] = epoch;
-    for (int p = 0; p < n; ++p)
-      if (!IsRemote(a, p)) StoreReleaseSys(Flags(Peer(a, p), a, kDispatchAck) + a.rank, epoch);
+    RaiseNodeFlags(a, kDispatchAck, epoch);
     if (a.num_remote) StoreReleaseSys(fab.bell + proxy::kRead, epoch);  // the proxy gives the senders credit
   });
 }
@@ -420,13 +456,13 @@ __device__ void DispatchRecvBody(const KernelArgs& a, const DispatchRecvIo& io, 
 // over NVLink, so none waits for another's launch. The pack blocks wait for block 0, which the hardware dispatches
 // first (in practice, not by CUDA's guarantee; were it not resident, their own bounded wait would time out).
 __global__ void __launch_bounds__(kThreads, 2)  // two an SM: the pack blocks take one, the NVLink blocks the other
-    DispatchSendKernel(KernelArgs a, DispatchSendIo io, int packs, int per_rank, int fold) {
+    DispatchSendKernel(KernelArgs a, DispatchSendIo io, int packs, int per_rank, int fold, int lists) {
   extern __shared__ uint32_t own[];  // the pack blocks' index, where they fold it (FoldBytes)
   const int fabric = FabricBlocks(packs);
   const int sends = static_cast<int>(gridDim.x) - fabric;
   const int block = static_cast<int>(blockIdx.x);
   if (block >= fabric) {
-    DispatchSendBody(a, io, Part{block - fabric, sends}, fabric);
+    DispatchSendBody(a, io, Part{block - fabric, sends}, fabric, lists != 0);
     return;
   }
   const unsigned long long epoch = Local(a)->epoch[kDispatchSend] + 1;
@@ -474,7 +510,8 @@ LaunchShape RecvShape(const KernelArgs& a) {
 
 // The one kernel of a one-shot dispatch: its blocks (0: two kernels) and how its parts split, computed once a launch.
 OnePlan DispatchPlan(const KernelArgs& a, int tokens) {
-  if (a.num_remote > 0 || !OneKernelAllowed()) return {};
+  // At prefill the lists from the node's index (list_index.cu) need its launches first: two kernels then.
+  if (a.num_remote > 0 || !OneKernelAllowed() || ListsIndexed(a, tokens)) return {};
   const int sends = SendShape(a, tokens).blocks, recvs = RecvShape(a).blocks;
   return {OneKernelBlocks(reinterpret_cast<const void*>(DispatchKernel), kThreads, DispatchRecvSmem(a.s), a.num_sms,
                           sends + recvs),
@@ -495,9 +532,11 @@ LaunchShape DispatchShape(const KernelArgs& a, int tokens) { return {DispatchPla
 
 cudaError_t LaunchDispatchSend(const KernelArgs& a, const DispatchSendIo& io, cudaStream_t stream) {
   const PackPlan pack = DispatchPackPlan(a, io.tokens);
+  if (cudaError_t err = LaunchListIndex(a, io.tokens, io.topk_idx, stream); err != cudaSuccess) return err;
   if (cudaError_t err = AllowSmem(DispatchSendKernel, pack.smem); err != cudaSuccess) return err;
   const int grid = FabricBlocks(pack.blocks) + SendShape(a, io.tokens).blocks;
-  DispatchSendKernel<<<grid, kThreads, pack.smem, stream>>>(a, io, pack.blocks, pack.per_rank, pack.fold);
+  DispatchSendKernel<<<grid, kThreads, pack.smem, stream>>>(a, io, pack.blocks, pack.per_rank, pack.fold,
+                                                            ListsIndexed(a, io.tokens) ? 1 : 0);
   return cudaGetLastError();
 }
 

@@ -31,6 +31,12 @@ __host__ __device__ inline size_t IndexBitsBytes(int l) { return sizeof(unsigned
 // dispatch_send's kernel's static shared memory (dispatch.cu), beside which its pack blocks keep IndexBitsBytes.
 size_t PackStaticBytes();
 
+// dispatch_send's expert lists at prefill come from an index of this node's ranks (list_index.cu), not from a scan
+// per expert: true where the tokens are more than one block's chunks.
+bool ListsIndexed(const KernelArgs& a, int tokens);
+// That index, in two launches before dispatch_send's kernel (nothing where ListsIndexed is false).
+cudaError_t LaunchListIndex(const KernelArgs& a, int tokens, const int32_t* topk_idx, cudaStream_t stream);
+
 // The index of channel `channel`'s remote rows for combine mode `mode`, before combine_recv's kernel, which reads its
 // rows of remote ranks from it.
 cudaError_t LaunchCombineIndex(const KernelArgs& a, int channel, int mode, int tokens, const int32_t* topk_idx,

@@ -22,8 +22,10 @@ constexpr int kFlagKinds = 2 + 2 * kCombineChannels;
 // Rows of the flag area (combine: + 2 * channel). Peer s writes column s: its epoch when it sent us data (flag) or
 // when it finished reading what we sent it (ack).
 enum FlagKind { kDispatchFlag = 0, kDispatchAck = 1, kCombineFlag = 2, kCombineAck = 3 };
-// A timeout's error detail: which flag (FlagKind) * kWaitStride + the rank that did not write it.
+// A timeout's error detail: which flag (FlagKind) * kWaitStride + the rank that did not write it; or kIndexWait *
+// kWaitStride + p: dispatch_send's pack blocks deriving p's index waited for one another (DeriveIndex).
 constexpr int kWaitStride = 1024;
+constexpr int kIndexWait = kFlagKinds;
 
 // Error codes in the host-mapped error word (reported by the next recv half's handler).
 // kBadPeerData: a peer's counts or token lists did not fit this buffer (detail = that rank); its data was dropped.
@@ -102,6 +104,8 @@ struct MoeLayout {
   size_t combine_slot = 0;  // bytes of one slot's combine fields
   // The remote ranks' index, per fabric stream f (0: dispatch_send, 1 + c: combine_recv of channel c), derived from
   // topk_idx once per call (combine: IndexKernel, kernels/fabric.cu; dispatch: its pack blocks, fabric_pack.cuh).
+  // At prefill stream 0's slots of this node's ranks hold their index for dispatch_send's expert lists
+  // (list_index.cu: masks, bits, bases, and off[e] the count of expert e).
   // Tokens go in chunks of kIndexChunk (C = IndexChunks):
   size_t fmask = 0;   // uint32 [streams][n][C]: bit j of chunk c: token 32c + j has an entry on rank p
   size_t fsbase = 0;  // int32 [streams][n][C]: tokens with an entry on p in the chunks before c (p's slots)
@@ -109,9 +113,11 @@ struct MoeLayout {
   size_t fbase = 0;   // int32 [streams][n][C][l]: entries with p's expert e in the chunks before c
   size_t foff = 0;    // int32 [streams][n][l + 2]: where expert e's entries start among p's; [l]: p's entries,
                       // [l + 1]: p's slots
-  size_t fdone = 0;   // uint32 [streams][n]: blocks of the running launch done with p's chunks (IndexKernel's, or at
-                      // stream 0 dispatch_send's pack blocks'; the last one adds them up, then re-arms it)
-  size_t fready = 0;  // uint64 [n]: the dispatch_send call whose index of p its pack blocks have derived (DeriveIndex)
+  size_t fdone = 0;   // uint32 [streams][n]: blocks of the running IndexKernel launch done with p's chunks (the last
+                      // one adds them up, then re-arms it)
+  size_t fsync = 0;   // uint64 [n][4]: dispatch_send's pack blocks deriving p's index (DeriveIndex): blocks done
+                      // marking, the call whose marks are all there, blocks done adding up, the call whose index is
+                      // ready
   size_t total = 0;
 };
 
@@ -175,7 +181,7 @@ inline MoeLayout MakeLayout(const MoeShape& s) {
   m.fbase = take(sizeof(int32_t) * chunks * s.local_experts);
   m.foff = take(sizeof(int32_t) * kFabricStreams * s.num_ranks * (s.local_experts + 2));
   m.fdone = take(sizeof(uint32_t) * kFabricStreams * s.num_ranks);
-  m.fready = take(sizeof(unsigned long long) * s.num_ranks);
+  m.fsync = take(sizeof(unsigned long long) * 4 * s.num_ranks);
   m.total = at;
   return m;
 }

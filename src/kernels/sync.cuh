@@ -205,6 +205,18 @@ __device__ __forceinline__ uint8_t* Peer(const KernelArgs& a, int p) {
   return reinterpret_cast<uint8_t* const*>(a.base + a.lay.peers)[p];
 }
 
+// Raises column a.rank of flag `kind` on every rank of this node to `epoch`. This rank's own word at GPU scope: its
+// reader is a later kernel on this GPU, and a system-scope release waits for every store of the thread to be visible
+// to the host and the peers.
+__device__ __forceinline__ void RaiseNodeFlags(const KernelArgs& a, int kind, unsigned long long epoch) {
+  for (int p = 0; p < a.s.num_ranks; ++p) {
+    if (IsRemote(a, p)) continue;
+    unsigned long long* word = Flags(Peer(a, p), a, kind) + a.rank;
+    if (p == a.rank) StoreRelease(word, epoch);
+    else StoreReleaseSys(word, epoch);
+  }
+}
+
 // Records trace point `point` of this launch of `half` (epoch = the call being made) when tracing is on; block 0's
 // thread 0 calls it for kTraceStart / kTraceWaited.
 __device__ __forceinline__ void Trace(const KernelArgs& a, int half, unsigned long long epoch, int point) {
