@@ -98,11 +98,7 @@ __device__ void IndexedLists(const KernelArgs& a, const int32_t* idx, int tokens
   }
   for (int t = part.id * kWarps + warp; t < tokens; t += part.count * kWarps) {  // the same for the whole warp
     const int g = lane < r ? idx[static_cast<size_t>(t) * r + lane] : -1;
-    bool first = g >= 0 && g < s.num_experts;
-    for (int k = 0; k + 1 < r; ++k) {
-      const int h = __shfl_sync(0xffffffffu, g, k);
-      if (k < lane && h == g) first = false;
-    }
+    const bool first = FirstValidEntry(a, g);
     const int q = first ? g / l : 0;
     if (!first || IsRemote(a, q)) continue;
     const int e = g - q * l;

@@ -50,6 +50,18 @@ __device__ __forceinline__ unsigned EntriesOn(const KernelArgs& a, int p, const 
   return ks;
 }
 
+// A warp per token, lane k holding the token's id g of entry k (-1 past r): whether entry k is the first naming a valid
+// expert (EntriesOn's rule, a lane per k). Every lane of the warp calls it.
+__device__ __forceinline__ bool FirstValidEntry(const KernelArgs& a, int g) {
+  const int lane = threadIdx.x & 31;
+  bool first = g >= 0 && g < a.s.num_experts;
+  for (int k = 0; k + 1 < a.s.experts_per_token; ++k) {
+    const int h = __shfl_sync(0xffffffffu, g, k);
+    if (k < lane && h == g) first = false;
+  }
+  return first;
+}
+
 // Chunk c of rank p's index, by one warp: lane j takes token 32c + j, whose entries on p set bit j of *mask and, with
 // `lists`, of bits[e] for each expert e.
 __device__ inline void MarkChunk(const KernelArgs& a, int p, int c, int tokens, const int32_t* idx, bool lists,

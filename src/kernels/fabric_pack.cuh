@@ -10,6 +10,7 @@
 #include "kernels/fabric_index.cuh"
 #include "kernels/fabric_mark.cuh"
 #include "kernels/moe_kernels.h"
+#include "kernels/scan.cuh"
 #include "kernels/sync.cuh"
 
 namespace jax_moe::cuda {
@@ -29,8 +30,11 @@ __device__ inline void DispatchPollBody(const KernelArgs& a, unsigned long long 
 // at most one an SM with it (DispatchPackPlan) in a kernel that fits two, as block 0's poll already needs; a bounded
 // wait, should they not. False where the wait timed out or one before it did.
 // Every block arrives at every step, also one whose earlier wait failed (`joined` false): so each step's count is
-// re-armed in every launch. After a timeout the last block skips `last()` and publishes nothing (the waiters give up
-// on the timeout word).
+// re-armed in every launch. Such a block arrives with kStepFailed added, so the last block knows from the count alone
+// whether every block did its share (a read of the timeout word after the atomic could be stale): if not, it skips
+// `last()` and publishes nothing (the waiters give up on the timeout word), since the jobs of a block that did not
+// join hold the last call's values.
+constexpr unsigned long long kStepFailed = 1ull << 32;  // the count's high half: blocks that arrived without joining
 template <typename Last>
 __device__ inline bool StepDone(const KernelArgs& a, int p, int per_rank, unsigned long long* count,
                                 unsigned long long* word, unsigned long long epoch, bool joined, Last last) {
@@ -39,8 +43,10 @@ __device__ inline bool StepDone(const KernelArgs& a, int p, int per_rank, unsign
   __syncthreads();  // the block's stores, then one fence before its arrival (as FinishPart and a grid barrier do)
   if (threadIdx.x == 0) {
     __threadfence();
-    is_last = atomicAdd(count, 1ull) == static_cast<unsigned long long>(per_rank) - 1;
-    ok = joined && !*timed_out;
+    const unsigned long long add = joined ? 1ull : kStepFailed + 1ull;
+    const unsigned long long now = atomicAdd(count, add) + add;
+    is_last = (now & 0xffffffffull) == static_cast<unsigned long long>(per_rank);
+    ok = joined && (now >> 32) == 0 && !*timed_out;
   }
   __syncthreads();
   if (is_last) {
@@ -71,30 +77,6 @@ __device__ inline bool StepDone(const KernelArgs& a, int p, int per_rank, unsign
   }
   __syncthreads();
   return ok != 0;
-}
-
-// The exclusive prefix of n items by one warp, lane j taking a run of consecutive items: get(i) reads item i (twice),
-// put(i, prefix) writes its prefix. Returns the total, alike in every lane.
-template <class Get, class Put>
-__device__ inline int WarpScanRuns(int n, Get get, Put put) {
-  const int lane = threadIdx.x & 31;
-  const int run = (n + 31) / 32;
-  const int i0 = min(n, lane * run), i1 = min(n, i0 + run);
-  int mine = 0;
-  for (int i = i0; i < i1; ++i) mine += get(i);
-  int inc = mine;
-  for (int d = 1; d < 32; d <<= 1) {
-    const int u = __shfl_up_sync(0xffffffffu, inc, d);
-    if (lane >= d) inc += u;
-  }
-  const int total = __shfl_sync(0xffffffffu, inc, 31);
-  int next = inc - mine;
-  for (int i = i0; i < i1; ++i) {
-    const int v = get(i);
-    put(i, next);
-    next += v;
-  }
-  return total;
 }
 
 // p's index in global memory, derived by p's per_rank pack blocks together (prefill: more chunks than a block's warps),
@@ -181,15 +163,13 @@ __device__ inline void DispatchPackBody(const KernelArgs& a, const DispatchSendI
     uint8_t* records = region + FabricRecordsOffset(s);
     for (int t = b * kWarps + warp; t < tokens; t += per_rank * kWarps) {
       const int slot = SlotOf(ix, t);
-      if (slot < 0) continue;  // the same for the whole warp
+      if (slot < 0 || slot >= s.max_tokens) continue;  // the same for the whole warp; bounded, whatever the index says
       // Lane k: entry k, if it is the first naming a valid expert and that expert is on p.
       const int g = lane < r ? idx[static_cast<size_t>(t) * r + lane] : -1;
-      bool mine = g >= 0 && g < s.num_experts && g / l == p;
-      for (int k = 0; k + 1 < r; ++k) {
-        const int h = __shfl_sync(0xffffffffu, g, k);
-        if (k < lane && h == g) mine = false;
+      if (FirstValidEntry(a, g) && g / l == p) {
+        const int at = EntryOf(ix, l, t, g - p * l);
+        if (at >= 0 && at < s.rows_per_peer()) list[at] = slot * r + lane;  // as the slot's bound
       }
-      if (mine) list[EntryOf(ix, l, t, g - p * l)] = slot * r + lane;
       uint8_t* dst = records + static_cast<size_t>(slot) * FabricRecordBytes(s);
       WarpCopy16(dst, x + static_cast<size_t>(t) * s.x_bytes(), s.x_bytes(), lane);
       if (xs) WarpCopy4(dst + s.x_bytes(), xs + static_cast<size_t>(t) * s.scale_bytes(), s.scale_bytes(), lane);

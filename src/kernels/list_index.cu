@@ -10,6 +10,7 @@
 #include "kernels/fabric_index.cuh"
 #include "kernels/fabric_mark.cuh"
 #include "kernels/grid.h"
+#include "kernels/scan.cuh"
 #include "kernels/sync.cuh"
 
 namespace jax_moe::cuda {
@@ -52,11 +53,7 @@ __global__ void __launch_bounds__(kThreads) ListSumKernel(KernelArgs a, int per,
   for (int c0 = 0; c0 < chunks; c0 += 32) {  // 32 chunks a step, a lane each, their prefix by shuffles
     const int c = c0 + lane;
     const int v = c < chunks ? __popc(ix.bits[static_cast<size_t>(c) * l + j]) : 0;
-    int inc = v;
-    for (int d = 1; d < 32; d <<= 1) {
-      const int u = __shfl_up_sync(0xffffffffu, inc, d);
-      if (lane >= d) inc += u;
-    }
+    const int inc = WarpInclusiveSum(v);
     if (c < chunks) ix.base[static_cast<size_t>(c) * l + j] = acc + inc - v;
     acc += __shfl_sync(0xffffffffu, inc, 31);
   }
@@ -66,9 +63,12 @@ __global__ void __launch_bounds__(kThreads) ListSumKernel(KernelArgs a, int per,
 }  // namespace
 
 // Beyond one block's chunks, and where a block's marks fit the 48 KiB a launch gets without opting in (up to 1536
-// local experts; beyond, ListExpert as at decode).
+// local experts; beyond, ListExpert as at decode). Not with ranks on other nodes: there the pack blocks are the send
+// kernel's tail, and the two launches in front of it cost more than the lists save (2026-12-07 evening, one H100:
+// prefill dispatch_send 102.2 us with them, 83.3 without; EP1 28.4 against 36.0).
 bool ListsIndexed(const KernelArgs& a, int tokens) {
-  return (tokens + kIndexChunk - 1) / kIndexChunk > kWarps && IndexBitsBytes(a.s.local_experts) <= 48 * 1024;
+  return a.num_remote == 0 && (tokens + kIndexChunk - 1) / kIndexChunk > kWarps &&
+         IndexBitsBytes(a.s.local_experts) <= 48 * 1024;
 }
 
 cudaError_t LaunchListIndex(const KernelArgs& a, int tokens, const int32_t* topk_idx, cudaStream_t stream) {
@@ -77,6 +77,7 @@ cudaError_t LaunchListIndex(const KernelArgs& a, int tokens, const int32_t* topk
   const int chunks = (tokens + kIndexChunk - 1) / kIndexChunk;
   const int mark = (chunks + kWarps - 1) / kWarps;
   const size_t smem = IndexBitsBytes(a.s.local_experts);
+  if (cudaError_t err = AllowSmem(ListMarkKernel, smem); err != cudaSuccess) return err;  // a no-op while <= 48 KiB
   ListMarkKernel<<<mark * node, kThreads, smem, stream>>>(a, mark, tokens, topk_idx);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   const int sum = (a.s.local_experts + kWarps - 1) / kWarps;  // a warp per expert column

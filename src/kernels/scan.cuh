@@ -4,16 +4,23 @@
 
 namespace jax_moe::cuda {
 
-// The exclusive prefix of v over the block's threads, in thread order; *total gets the block's sum (alike in every
-// thread). Every thread calls it (barriers); `sums` is shared scratch of one int per warp; blockDim.x is a multiple
-// of 32. Ends with a barrier, so `sums` may be reused at once.
-__device__ inline int BlockExclusiveSum(int v, int* sums, int* total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+// The inclusive prefix of v over the warp's lanes, in lane order (every lane of the warp calls it).
+__device__ __forceinline__ int WarpInclusiveSum(int v) {
+  const int lane = threadIdx.x & 31;
   int inc = v;
   for (int d = 1; d < 32; d <<= 1) {
     const int u = __shfl_up_sync(0xffffffffu, inc, d);
     if (lane >= d) inc += u;
   }
+  return inc;
+}
+
+// The exclusive prefix of v over the block's threads, in thread order; *total gets the block's sum (alike in every
+// thread). Every thread calls it (barriers); `sums` is shared scratch of one int per warp; blockDim.x is a multiple
+// of 32. Ends with a barrier, so `sums` may be reused at once.
+__device__ inline int BlockExclusiveSum(int v, int* sums, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int inc = WarpInclusiveSum(v);
   if (lane == 31) sums[warp] = inc;
   __syncthreads();
   int before = 0, all = 0;
@@ -59,6 +66,26 @@ __device__ int BlockScanRuns(int n, int* sums, Get get, Put put) {
     next += v;
   }
   __syncthreads();
+  return total;
+}
+
+// BlockScanRuns for one warp, lane j taking a run of consecutive items (no barrier: a warp's lanes alone). Returns
+// the total, alike in every lane.
+template <class Get, class Put>
+__device__ inline int WarpScanRuns(int n, Get get, Put put) {
+  const int lane = threadIdx.x & 31;
+  const int run = (n + 31) / 32;
+  const int i0 = min(n, lane * run), i1 = min(n, i0 + run);
+  int mine = 0;
+  for (int i = i0; i < i1; ++i) mine += get(i);
+  const int inc = WarpInclusiveSum(mine);
+  const int total = __shfl_sync(0xffffffffu, inc, 31);
+  int next = inc - mine;
+  for (int i = i0; i < i1; ++i) {
+    const int v = get(i);
+    put(i, next);
+    next += v;
+  }
   return total;
 }
 
