@@ -66,8 +66,8 @@ def test_buffers_of_other_nodes_ranks_only(tmp_path, provider, mode):
 def test_a_receiver_late_with_its_credits_holds_back_only_its_own_regions(tmp_path, provider, straggler):
     """A rank reads round 1, then gives no credit until the others have finished all 6 rounds (3 lanes): their rounds
     5 and 6 cannot go to it (its lanes are still unread) but must go to each other. The straggler is first in the
-    others' order of remote ranks (rank 0: found by the pump's pass that asks every receiver) or last (rank 2: the
-    in-order pass gets there)."""
+    others' order of remote ranks (rank 0: a pass that finds it without credit starts the next one after it, so the
+    other receiver gets its rounds; a pump that kept asking it first would never post them) or last (rank 2)."""
     if provider not in AVAILABLE:
         pytest.skip(f"libfabric provider {provider} not built in")
     results = run_ranks(tmp_path, 3, provider, rounds=6, mode="straggler", straggler=straggler)

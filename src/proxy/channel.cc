@@ -1,5 +1,7 @@
 #include "proxy/channel.h"
 
+#include <algorithm>
+
 #include "common/error.h"
 
 namespace jax_moe::proxy {
@@ -166,24 +168,31 @@ uint64_t Channel::PostAreas(uint64_t ready, const fabric::MemoryRegion& area, co
   const size_t m = remote_ranks_.size();
   if (m == 0 || posted_all_ >= ready) {
     if (m == 0 && ready > posted_all_) posted_all_ = ready;
-    waiting_passes_ = 0;
     return posted_all_;
   }
-  const bool every = ++waiting_passes_ % kStragglerPasses == 0;
+  std::vector<char> take(m);
   std::vector<int32_t> ranks;
   std::vector<uint64_t> offsets, lengths;
   for (uint64_t round = posted_all_ + 1; round <= ready; ++round) {
+    // Ask the receivers due this round in turn from ask_from_, up to the first without credit (one look-up a round
+    // while all wait), then post in rank order: a prebuilt scatter's entries are the peer set's members in order.
+    std::fill(take.begin(), take.end(), 0);
+    for (size_t j = 0; j < m; ++j) {
+      const size_t i = (ask_from_ + j) % m;
+      if (posted_to_[i] != round - 1) continue;  // has it already, or is behind with an earlier one
+      if (!CreditOk(remote_ranks_[i], round)) {
+        ask_from_ = (i + 1) % m;  // the next pass asks those after it first, so it holds back no one for long
+        break;
+      }
+      take[i] = 1;
+    }
     ranks.clear();
     offsets.clear();
     lengths.clear();
     const uint64_t* bytes = words + lanes().Lane(round) * num_ranks();
     for (size_t i = 0; i < m; ++i) {
-      if (posted_to_[i] != round - 1) continue;  // has it already, or is behind with an earlier one
+      if (!take[i]) continue;
       const int32_t p = remote_ranks_[i];
-      if (!CreditOk(p, round)) {
-        if (every) continue;
-        break;  // in order: the next pass asks this one first
-      }
       // Read once, so that the length checked is the length posted, whatever a faulty device writes (a sound one
       // rewrites this lane only after kSent says every receiver had the round).
       const uint64_t b = __atomic_load_n(bytes + p, __ATOMIC_RELAXED);
@@ -201,7 +210,6 @@ uint64_t Channel::PostAreas(uint64_t ready, const fabric::MemoryRegion& area, co
   }
   uint64_t least = ready;
   for (uint64_t r : posted_to_) least = r < least ? r : least;
-  if (least > posted_all_) waiting_passes_ = 0;
   posted_all_ = least;
   return posted_all_;
 }

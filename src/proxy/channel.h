@@ -95,13 +95,11 @@ class Channel {
   // Posts the rounds up to `ready` of a send area the device filled (laid out as our receive buffer: [K lanes][S
   // slots] regions, rank p's in slot config().slots.Slot(rank, p); words[lane * N + p]: the bytes of rank p's region
   // of a round in that lane) to the remote ranks, each as far as its own credits allow, rounds in order: a receiver
-  // late with its credits holds back its own regions only, after at most kStragglerPasses waiting passes. Returns the
-  // last round every remote rank was posted. A waiting pass asks, per round, the receivers due it in order up to the
-  // first without credit (a look-up a round while all wait: at most K), so until then a late receiver also holds
-  // back those after it in rank order; every kStragglerPasses-th waiting pass asks every one. For a device that
-  // packs its own regions (a GPU through the Pump). Under the lock.
+  // late with its credits holds back its own regions only. Returns the last round every remote rank was posted. A
+  // pass asks, per round, the receivers due it in turn up to the first without credit (a look-up a round while all
+  // wait: at most K), and the next pass starts after that one, so L late receivers hold back the others by at most
+  // L passes. For a device that packs its own regions (a GPU through the Pump). Under the lock.
   uint64_t PostAreas(uint64_t ready, const fabric::MemoryRegion& area, const uint64_t* words);
-  static constexpr uint32_t kStragglerPasses = 64;
   // The lock the Proxy or Pump gave this channel.
   std::mutex& mu() const { return mu_; }
   // Delivers queued regions whose receivers gave credit since (the progress thread). Under the lock.
@@ -166,11 +164,11 @@ class Channel {
     int64_t next = 0;  // ranks before it were seen for `round`
   };
   Cursor arrived_cursor_;
-  // PostAreas: the last round posted to each remote rank (remote_ranks_ order), to every one, and the passes it has
-  // waited for a credit since it last posted to all.
+  // PostAreas: the last round posted to each remote rank (remote_ranks_ order), to every one, and the remote rank
+  // (index in remote_ranks_) a pass asks first.
   std::vector<uint64_t> posted_to_;
   uint64_t posted_all_ = 0;
-  uint32_t waiting_passes_ = 0;
+  size_t ask_from_ = 0;
 };
 
 // "[1, 3]"
