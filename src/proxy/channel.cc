@@ -38,6 +38,8 @@ Channel::Channel(const ChannelConfig& config, const std::vector<bool>& remote,
     peer_slots_.push_back(slots.Slots(p));
   }
   posted_to_.assign(remote_ranks_.size(), 0);
+  take_.assign(remote_ranks_.size(), 0);
+  ask_from_.assign(size_t(k), 0);
   JAX_MOE_REQUIRE(remote_ranks_.empty() || engine_, "Channel: ranks in other processes need a TransferEngine");
   JAX_MOE_REQUIRE(remote_ranks_.size() == size_t(n) || local_, "Channel: ranks of this process need the device side");
   queue_.resize(n);
@@ -170,28 +172,29 @@ uint64_t Channel::PostAreas(uint64_t ready, const fabric::MemoryRegion& area, co
     if (m == 0 && ready > posted_all_) posted_all_ = ready;
     return posted_all_;
   }
-  std::vector<char> take(m);
   std::vector<int32_t> ranks;
   std::vector<uint64_t> offsets, lengths;
   for (uint64_t round = posted_all_ + 1; round <= ready; ++round) {
-    // Ask the receivers due this round in turn from ask_from_, up to the first without credit (one look-up a round
-    // while all wait), then post in rank order: a prebuilt scatter's entries are the peer set's members in order.
-    std::fill(take.begin(), take.end(), 0);
+    // Ask the receivers due this round in turn, from where the last pass stopped on this round's lane, up to the
+    // first without credit (one look-up a round while all wait); post in rank order, since a prebuilt scatter's
+    // entries are the peer set's members in order. The rounds in progress are at most K, one per lane.
+    size_t& from = ask_from_[size_t(lanes().Lane(round))];
+    std::fill(take_.begin(), take_.end(), 0);
     for (size_t j = 0; j < m; ++j) {
-      const size_t i = (ask_from_ + j) % m;
+      const size_t i = (from + j) % m;
       if (posted_to_[i] != round - 1) continue;  // has it already, or is behind with an earlier one
       if (!CreditOk(remote_ranks_[i], round)) {
-        ask_from_ = (i + 1) % m;  // the next pass asks those after it first, so it holds back no one for long
+        from = (i + 1) % m;  // the next pass starts after it: each stop is nearer to any receiver it kept waiting
         break;
       }
-      take[i] = 1;
+      take_[i] = 1;
     }
     ranks.clear();
     offsets.clear();
     lengths.clear();
     const uint64_t* bytes = words + lanes().Lane(round) * num_ranks();
     for (size_t i = 0; i < m; ++i) {
-      if (!take[i]) continue;
+      if (!take_[i]) continue;
       const int32_t p = remote_ranks_[i];
       // Read once, so that the length checked is the length posted, whatever a faulty device writes (a sound one
       // rewrites this lane only after kSent says every receiver had the round).

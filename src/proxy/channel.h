@@ -97,8 +97,8 @@ class Channel {
   // of a round in that lane) to the remote ranks, each as far as its own credits allow, rounds in order: a receiver
   // late with its credits holds back its own regions only. Returns the last round every remote rank was posted. A
   // pass asks, per round, the receivers due it in turn up to the first without credit (a look-up a round while all
-  // wait: at most K), and the next pass starts after that one, so L late receivers hold back the others by at most
-  // L passes. For a device that packs its own regions (a GPU through the Pump). Under the lock.
+  // wait: at most K), and that round's next pass starts after that one, so a receiver with credit waits at most
+  // N - 1 passes. For a device that packs its own regions (a GPU through the Pump). Under the lock.
   uint64_t PostAreas(uint64_t ready, const fabric::MemoryRegion& area, const uint64_t* words);
   // The lock the Proxy or Pump gave this channel.
   std::mutex& mu() const { return mu_; }
@@ -158,17 +158,18 @@ class Channel {
   // A pass of the proxy asks a round's arrivals again until they are all in, and with N ranks that was N look-ups of
   // the engine's banked immediates per question. Once a rank's region for a round is here it stays here, so the
   // question resumes at the first rank not yet seen for its round: a pass that finds nothing new costs one look-up,
-  // not N (credits: PostAreas asks in order up to the first without). Guarded by mu_.
+  // not N (credits: PostAreas asks in turn up to the first without). Guarded by mu_.
   struct Cursor {
     uint64_t round = 0;
     int64_t next = 0;  // ranks before it were seen for `round`
   };
   Cursor arrived_cursor_;
-  // PostAreas: the last round posted to each remote rank (remote_ranks_ order), to every one, and the remote rank
-  // (index in remote_ranks_) a pass asks first.
+  // PostAreas: the last round posted to each remote rank (remote_ranks_ order), to every one; per lane, the remote
+  // rank (index in remote_ranks_) a pass asks first for that lane's round in progress; which ones a round takes.
   std::vector<uint64_t> posted_to_;
   uint64_t posted_all_ = 0;
-  size_t ask_from_ = 0;
+  std::vector<size_t> ask_from_;
+  std::vector<char> take_;
 };
 
 // "[1, 3]"

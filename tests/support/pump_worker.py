@@ -7,8 +7,10 @@ Communicators per rank, whose pumps share the rank's engine, rung in an order th
 device side's hooks say "not yet" 200 times a round before each post and each arrival flag, as a GPU's copy engine),
 stuck (rank 0's arrival hook never says yes: its pump must stop, saying why). Ranks exchange engine addresses through
 files in DIR; each writes DIR/result.RANK (JSON).
-straggler (rank $PUMP_STRAGGLER reads round 1, then holds its credits until the others have finished every round,
-which they can only where a late receiver holds back its own regions and not the others').
+straggler (the ranks of $PUMP_STRAGGLER, comma-separated, read their first rounds, as many as $PUMP_STRAGGLER_READS
+says for each (default 1), then hold their credits until the others have finished every round, which they can only
+where a late receiver holds back its own regions and not the others'). In this mode every rank rings all its rounds
+first, and the others start reading 0.5 s later.
 $PUMP_NODES ("0,0,1,2": every rank's node; modes ok and slow): the buffers hold regions for the ranks on other nodes
 only, as a GPU's do, and only those ranks exchange rounds (same-node ranks are the GPU's business over NVLink); the
 result then also gives the regions per lane of this rank's receive buffer ("slots").
@@ -107,7 +109,11 @@ def main():
                                                                                  others) if q in remote])
     pr.start(not_ready={"slow": 200, "stuck": -1 if rank == 0 else 0}.get(mode, 0))
     result = {"rank": rank, "rounds": 0, "error": "", "bad_regions": []}
-    straggler = mode == "straggler" and rank == int(os.environ.get("PUMP_STRAGGLER", "-1"))
+    stragglers = [int(q) for q in os.environ.get("PUMP_STRAGGLER", "-1").split(",")] if mode == "straggler" else []
+    reads = [int(r) for r in (os.environ.get("PUMP_STRAGGLER_READS") or ",".join("1" * len(stragglers))).split(",")
+             if r]
+    straggler = rank in stragglers
+    holds_after = reads[stragglers.index(rank)] if straggler else rounds
     if nodes:
         result["slots"] = pr.buffer_bytes // (LANES * pr.region_bytes)
     try:
@@ -123,17 +129,25 @@ def main():
                 overflow = mode == "overflow" and rank == 1 and k == 2
                 pr.set_bytes(k, p, pr.region_bytes + 64 if overflow else len(data))
             pr.ring(pt.RUNG, k)
-            if straggler and k > 1:
-                continue  # reads later, below
+            if mode == "straggler":
+                continue  # every round rung first (lanes allow 3 unread), read below
             wait(pr, pt.ARRIVED, k, "arrived")
             check_arrivals(pr, k, rank, n, result, nodes=nodes)
             pr.ring(pt.READ, k)
             result["rounds"] = k
+        if mode == "straggler":
+            if not straggler:
+                time.sleep(0.5)  # the stragglers' last credits come first: their pumps settle while we give none
+            for k in range(1, holds_after + 1):
+                wait(pr, pt.ARRIVED, k, "arrived")
+                check_arrivals(pr, k, rank, n, result, nodes=nodes)
+                pr.ring(pt.READ, k)
+                result["rounds"] = k
         if mode == "straggler" and not straggler:  # every round, but not to the straggler past round 1 + LANES
             result["sent"] = pr.bell(pt.SENT)
-        if straggler:  # the others must finish without our credits for rounds 2 and on
-            others_done(d, rank, n, deadline=time.monotonic() + 3 * TIMEOUT_S)
-            for k in range(2, rounds + 1):
+        if straggler:  # the others must finish without our credits for the rounds after holds_after
+            others_done(d, rank, n, deadline=time.monotonic() + 3 * TIMEOUT_S, skip=stragglers)
+            for k in range(holds_after + 1, rounds + 1):
                 wait(pr, pt.ARRIVED, k, "arrived")
                 check_arrivals(pr, k, rank, n, result, nodes=nodes)
                 pr.ring(pt.READ, k)
@@ -148,9 +162,9 @@ def main():
     pr.close()
 
 
-def others_done(d, rank, n, deadline):
+def others_done(d, rank, n, deadline, skip=()):
     while time.monotonic() < deadline and not all(os.path.exists(os.path.join(d, f"result.{q}"))
-                                                  for q in range(n) if q != rank):
+                                                  for q in range(n) if q != rank and q not in skip):
         time.sleep(0.01)
 
 
