@@ -98,7 +98,9 @@ class Channel {
   // late with its credits holds back its own regions only. Returns the last round every remote rank was posted. A
   // pass asks, per round, the receivers due it in turn up to the first without credit (a look-up a round while all
   // wait: at most K), and that round's next pass starts after that one, so a receiver with credit waits at most
-  // N - 1 passes. For a device that packs its own regions (a GPU through the Pump). Under the lock.
+  // N - 1 passes. That needs `ready` <= the last return + K (one round per lane in progress), which a device keeps
+  // by rewriting a lane only once it was posted to all. For a device that packs its own regions (a GPU through the
+  // Pump). Under the lock.
   uint64_t PostAreas(uint64_t ready, const fabric::MemoryRegion& area, const uint64_t* words);
   // The lock the Proxy or Pump gave this channel.
   std::mutex& mu() const { return mu_; }

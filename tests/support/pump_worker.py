@@ -113,6 +113,7 @@ def main():
     reads = [int(r) for r in (os.environ.get("PUMP_STRAGGLER_READS") or ",".join("1" * len(stragglers))).split(",")
              if r]
     straggler = rank in stragglers
+    assert mode != "straggler" or rounds <= 2 * LANES, "straggler mode rings every round before reading any"
     holds_after = reads[stragglers.index(rank)] if straggler else rounds
     if nodes:
         result["slots"] = pr.buffer_bytes // (LANES * pr.region_bytes)
@@ -130,7 +131,7 @@ def main():
                 pr.set_bytes(k, p, pr.region_bytes + 64 if overflow else len(data))
             pr.ring(pt.RUNG, k)
             if mode == "straggler":
-                continue  # every round rung first (lanes allow 3 unread), read below
+                continue  # every round rung first, read below (so at most 2 * LANES rounds: no credit comes before)
             wait(pr, pt.ARRIVED, k, "arrived")
             check_arrivals(pr, k, rank, n, result, nodes=nodes)
             pr.ring(pt.READ, k)
