@@ -16,8 +16,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "pu
 
 def run_ranks(tmp_path, n, provider, rounds, mode, timeout=60.0, nodes=(), stragglers=(), reads=()):
     env = dict(os.environ, PYTHONUNBUFFERED="1", FI_LOG_LEVEL="warn", PUMP_NODES=",".join(map(str, nodes)),
-               PUMP_STRAGGLER=",".join(map(str, stragglers)) or "-1",
-               PUMP_STRAGGLER_READS=",".join(map(str, reads or [1] * len(stragglers))))
+               PUMP_STRAGGLER=",".join(map(str, stragglers)), PUMP_STRAGGLER_READS=",".join(map(str, reads)))
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(WORKER), env.get("PYTHONPATH", "")])
     procs = [subprocess.Popen([sys.executable, WORKER, str(tmp_path), str(r), str(n), provider, str(rounds), mode],
                               stdout=open(tmp_path / f"log.{r}", "w"), stderr=subprocess.STDOUT, env=env)

@@ -109,9 +109,8 @@ def main():
                                                                                  others) if q in remote])
     pr.start(not_ready={"slow": 200, "stuck": -1 if rank == 0 else 0}.get(mode, 0))
     result = {"rank": rank, "rounds": 0, "error": "", "bad_regions": []}
-    stragglers = [int(q) for q in os.environ.get("PUMP_STRAGGLER", "-1").split(",")] if mode == "straggler" else []
-    reads = [int(r) for r in (os.environ.get("PUMP_STRAGGLER_READS") or ",".join("1" * len(stragglers))).split(",")
-             if r]
+    stragglers = [int(q) for q in os.environ.get("PUMP_STRAGGLER", "").split(",") if q] if mode == "straggler" else []
+    reads = [int(q) for q in os.environ.get("PUMP_STRAGGLER_READS", "").split(",") if q] or [1] * len(stragglers)
     straggler = rank in stragglers
     assert mode != "straggler" or rounds <= 2 * LANES, "straggler mode rings every round before reading any"
     holds_after = reads[stragglers.index(rank)] if straggler else rounds
@@ -132,27 +131,18 @@ def main():
             pr.ring(pt.RUNG, k)
             if mode == "straggler":
                 continue  # every round rung first, read below (so at most 2 * LANES rounds: no credit comes before)
-            wait(pr, pt.ARRIVED, k, "arrived")
-            check_arrivals(pr, k, rank, n, result, nodes=nodes)
-            pr.ring(pt.READ, k)
-            result["rounds"] = k
+            receive(pr, k, rank, n, result, nodes)
         if mode == "straggler":
             if not straggler:
                 time.sleep(0.5)  # the stragglers' last credits come first: their pumps settle while we give none
             for k in range(1, holds_after + 1):
-                wait(pr, pt.ARRIVED, k, "arrived")
-                check_arrivals(pr, k, rank, n, result, nodes=nodes)
-                pr.ring(pt.READ, k)
-                result["rounds"] = k
+                receive(pr, k, rank, n, result, nodes)
         if mode == "straggler" and not straggler:  # every round, but not to the straggler past round 1 + LANES
             result["sent"] = pr.bell(pt.SENT)
         if straggler:  # the others must finish without our credits for the rounds after holds_after
             others_done(d, rank, n, deadline=time.monotonic() + 3 * TIMEOUT_S, skip=stragglers)
             for k in range(holds_after + 1, rounds + 1):
-                wait(pr, pt.ARRIVED, k, "arrived")
-                check_arrivals(pr, k, rank, n, result, nodes=nodes)
-                pr.ring(pt.READ, k)
-                result["rounds"] = k
+                receive(pr, k, rank, n, result, nodes)
     except RuntimeError as e:
         result["error"] = str(e)
     save(d, rank, result)
@@ -161,6 +151,14 @@ def main():
         # ("broken pipe") before their timeout names this rank, and which comes first would be a race.
         others_done(d, rank, n, deadline=time.monotonic() + 30.0)
     pr.close()
+
+
+def receive(pr, k, rank, n, result, nodes):
+    """As the recv kernel: wait for round k's arrival, check it, give the credit; count it done."""
+    wait(pr, _core.proxy_testing.ARRIVED, k, "arrived")
+    check_arrivals(pr, k, rank, n, result, nodes=nodes)
+    pr.ring(_core.proxy_testing.READ, k)
+    result["rounds"] = k
 
 
 def others_done(d, rank, n, deadline, skip=()):
