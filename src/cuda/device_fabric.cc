@@ -97,9 +97,10 @@ DeviceFabric::DeviceFabric(const MoeShape& shape, int rank, uint32_t comm_id, co
   try {
     fabric::EngineOptions options;
     options.busy_poll = true;  // the proxy thread of a GPU spins: every microsecond it naps is on the data path
-    // Providers that copy GPU memory themselves never carry our GPU areas (Open): not asking them for FI_HMEM keeps
-    // shm's single-copy path for the host areas.
-    options.host_memory_only = CopiesGpuMemory(provider);
+    // Providers that copy GPU memory themselves carry our GPU areas only where asked (Open): not asking them for
+    // FI_HMEM otherwise keeps shm's single-copy path for the host areas.
+    hmem_engine_ = CopiesGpuMemory(provider) && memory == AreaMemory::kDevice;
+    options.host_memory_only = CopiesGpuMemory(provider) && !hmem_engine_;
     options.progress_cpu = proxy_cpu_ = ProxyCpu(ordinal);
     char bus[32] = {};  // the GPU's PCI address: its engine opens the NICs nearest to it (fabric/nic_topology.h)
     if (cudaDeviceGetPCIBusId(bus, sizeof(bus), ordinal) == cudaSuccess) {
@@ -144,28 +145,42 @@ std::pair<Area, std::shared_ptr<fabric::MemoryRegion>> DeviceFabric::NewArea(siz
   return {std::move(area), std::move(mr)};
 }
 
+std::string DeviceFabric::WhyNotDeviceMemory(bool asked, bool held) const {
+  const std::string provider = "provider " + engine_->provider();
+  const std::string copies = provider + " copies GPU memory with CUDA calls on the proxy thread";
+  if (copies_gpu_memory()) {
+    if (!asked) return copies + " (only where fabric_memory=\"device\" asks, under CUDA_MODULE_LOADING=EAGER)";
+    if (!engine_->supports_device_memory()) return provider + " did not grant FI_HMEM";
+    if (LazyModuleLoading()) {
+      return copies + ", which do not complete while a receive kernel waits for them under CUDA's lazy module "
+                      "loading (set CUDA_MODULE_LOADING=EAGER before the process first uses CUDA)";
+    }
+    if (!held) {
+      return copies + ", which the command-buffer handlers (JAX_MOE_CUDA_COMMAND_BUFFERS=1) can leave behind a full "
+                      "launch queue";
+    }
+    return "";
+  }
+  if (!engine_->supports_device_memory()) return provider + " did not grant FI_HMEM";
+  return asked ? "" : "GPU memory on the wire has not run on an RDMA NIC yet: fabric_memory=\"device\" opts in";
+}
+
 void DeviceFabric::Open(int64_t n, int rank, AreaMemory memory, bool held) {
   // GPU memory only when asked for (fabric_memory="device"): the NIC then writes the rows where the receive kernels
   // read them (HBM), instead of into host memory that every kernel read crosses PCIe for. "auto" takes the fastest
   // verified path, staged (pinned host memory on the wire, HBM for the kernels) where it can run, else host, and says
   // why not GPU memory (docs/cuda.md, "GPU memory on the wire"):
-  // - shm and tcp copy GPU memory with cudaMemcpy on the proxy thread, and a receiver's copy into HBM does not finish
-  //   while its receive kernel waits on the GPU for that very data (measured on libfabric 2.6 shm: one progress poll
-  //   blocked until the kernel's timeout gave up). So they cannot carry GPU memory at all: "device" is refused.
+  // - shm and tcp copy GPU memory with cudaMemcpy on the proxy thread. Such a copy does not finish while a receive
+  //   kernel waits for it if it must first load a module (CUDA's lazy loading waits for the running kernels) or
+  //   find room in a launch queue that the host filled; so, as "staged", "device" there needs eager loading and
+  //   the plain handlers, which hold the host back (cuda/run_ahead.h). It opts in: "auto" never takes it.
   // - efa and verbs move HBM by DMA without CUDA calls on that thread, but have not run on an RDMA NIC yet.
   on_gpu_ = memory == AreaMemory::kDevice;
-  if (copies_gpu_memory()) {
-    fallback_ = "provider " + engine_->provider() + " copies GPU memory with CUDA calls on the proxy thread, which do "
-                "not complete while a receive kernel waits for them";
-  } else if (!engine_->supports_device_memory()) {
-    fallback_ = "provider " + engine_->provider() + " did not grant FI_HMEM";
-  } else {
-    fallback_ = "GPU memory on the wire has not run on an RDMA NIC yet: fabric_memory=\"device\" opts in";
-  }
-  if (on_gpu_ && (copies_gpu_memory() || !engine_->supports_device_memory())) {
+  fallback_ = WhyNotDeviceMemory(on_gpu_, held);
+  if (on_gpu_ && !fallback_.empty()) {
     Throw(ErrorCode::kUnavailable, "jax_moe cuda: fabric_memory=\"device\" is not possible here: " + fallback_ +
-                                       "; use fabric_memory=\"host\" (pinned host memory), or a NIC provider (efa, "
-                                       "verbs) with a libfabric built with CUDA");
+                                       "; use fabric_memory=\"host\" (pinned host memory), or a provider and a "
+                                       "libfabric built with CUDA that grant FI_HMEM");
   }
   if (memory != AreaMemory::kAuto) fallback_.clear();  // the reason is for "auto" only: nothing fell back otherwise
   if (on_gpu_) visibility_ = VisibilityOf(ordinal_);

@@ -103,7 +103,9 @@ class DeviceFabric {
   const std::string& fallback_reason() const { return fallback_; }
   // Whether the proxy thread calls CUDA (the staged copies, GPUDirect flushes): the handlers then bound how far the
   // host runs ahead of the GPU (cuda/run_ahead.h).
-  bool proxy_calls_cuda() const { return stage_ != nullptr || (on_gpu_ && visibility_ == RdmaVisibility::kFlush); }
+  bool proxy_calls_cuda() const {
+    return stage_ != nullptr || (on_gpu_ && (copies_gpu_memory() || visibility_ == RdmaVisibility::kFlush));
+  }
   // The last round of stream `link` (0 dispatch, 1 + channel) whose bell this GPU rang; 0 before the first.
   uint64_t Rung(size_t link) const;
   // What the proxy does so that NIC writes into GPU memory are visible to the kernels (areas on the GPU only).
@@ -114,7 +116,11 @@ class DeviceFabric {
 
  private:
   void Open(int64_t n, int rank, AreaMemory memory, bool held);  // the streams' areas, registrations and channels
-  // The provider moves GPU memory with cudaMemcpy on the proxy thread (shm, tcp), not with a NIC's DMA.
+  // Why the areas cannot be GPU memory on this engine ("" where they can): `asked`, fabric_memory="device"; `held`,
+  // the handlers hold the host back (cuda/run_ahead.h).
+  std::string WhyNotDeviceMemory(bool asked, bool held) const;
+  // The provider moves GPU memory with cudaMemcpy on the proxy thread (shm, tcp), not with a NIC's DMA: possible only
+  // where CUDA loads eagerly and the host is held back (Open says why).
   static bool CopiesGpuMemory(const std::string& provider) { return provider == "shm" || provider == "tcp"; }
   bool copies_gpu_memory() const { return CopiesGpuMemory(engine_->provider()); }
   // $JAX_MOE_FABRIC_INSPECT=1: logs the headers of a round's regions before posting / flagging them.
@@ -154,7 +160,10 @@ class DeviceFabric {
   std::string fallback_;           // why GPU memory was wanted and not used
   RdmaVisibility visibility_ = RdmaVisibility::kOrdered;
   uint32_t id_;  // comm_id & kIdMask, reserved on this GPU's engine while this fabric lives
-  std::string EngineKey() const { return "cuda:" + std::to_string(ordinal_); }  // proxy/engine_pool.h
+  // proxy/engine_pool.h. An engine asked for FI_HMEM on a copying provider is kept apart: shm drops its single-copy
+  // path for host memory once FI_HMEM is granted, which the Communicators with host areas would pay for.
+  std::string EngineKey() const { return "cuda:" + std::to_string(ordinal_) + (hmem_engine_ ? "+hmem" : ""); }
+  bool hmem_engine_ = false;  // set before the engine is acquired
   proxy::NoPeersHere here_;
   std::mutex mu_;
   std::condition_variable cv_;

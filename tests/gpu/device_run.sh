@@ -94,6 +94,10 @@ mps_start() {  # two processes on one GPU run their kernels side by side only un
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   nvidia-cuda-mps-control -d
 }
+loading() {  # MEMORY: the CUDA_MODULE_LOADING=... its workers need: "staged", and "device" on shm and tcp, need
+  # eager loading (docs/cuda.md); the others run under $CUDA_MODULE_LOADING (default lazy, CUDA's own)
+  case $1 in staged|device) echo CUDA_MODULE_LOADING=EAGER ;; *) echo "CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-LAZY}" ;; esac
+}
 mps_stop() { echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; }
 nodes_bench() {  # TAG: the cross-node decode benchmark on one GPU, two processes under MPS with half the SMs each,
   # for each provider and area memory ($NODES_MEMORY: "host", "staged", "device", "auto"); the floors' EP1 run and
@@ -102,8 +106,8 @@ nodes_bench() {  # TAG: the cross-node decode benchmark on one GPU, two processe
   mps_start
   for provider in ${NODES_PROVIDERS:-shm tcp}; do
     for memory in ${NODES_MEMORY:-auto}; do
-      local eager=CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-LAZY}
-      [ "$memory" = staged ] && eager=CUDA_MODULE_LOADING=EAGER  # staged needs it (docs/cuda.md)
+      local eager
+      eager=$(loading "$memory")
       stage "${tag}_${provider}_${memory}" ${NODES_LIMIT_S:-400} env $eager CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 \
         JAX_MOE_CUDA_TRACE=1 JAX_MOE_FABRIC_MEMORY=$memory python3 -m jax_moe.bench moe --backend cuda --shape "${NODES_SHAPE:-decode}" \
         --iters "${NODES_ITERS:-200}" --processes 2 --ranks-per-node 1 --provider "$provider" \
@@ -121,8 +125,7 @@ if has ab; then  # an A/B of settings across nodes in one sitting (bench ab: $AB
   mps_start
   ab_memory=${NODES_MEMORY:-auto}
   ab_memory=${ab_memory%% *}
-  ab_eager=CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-LAZY}
-  [ "$ab_memory" = staged ] && ab_eager=CUDA_MODULE_LOADING=EAGER
+  ab_eager=$(loading "$ab_memory")
   read -ra ab_list <<< "${AB_VARIANTS:-}"  # split on blanks, no globbing; none: bench ab says what it needs
   ab_variants=()
   for v in "${ab_list[@]}"; do ab_variants+=(--variant "$v"); done
@@ -139,8 +142,7 @@ if has xoverlap; then  # overlap across nodes (issue 25): two processes under MP
   mps_start
   providers=${NODES_PROVIDERS:-shm tcp}
   for memory in ${NODES_MEMORY:-auto}; do
-    eager=CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-LAZY}
-    [ "$memory" = staged ] && eager=CUDA_MODULE_LOADING=EAGER
+    eager=$(loading "$memory")
     for run in $(seq "${XOVERLAP_REPEAT:-1}"); do
       tag="xoverlap_${memory}"
       [ "${XOVERLAP_REPEAT:-1}" = 1 ] || tag="${tag}_${run}"
@@ -157,8 +159,7 @@ if has mb; then  # two micro-batches in one layer (issue 26, rounds_in_flight = 
   mps_start
   stage mb_ipc 240 env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 python3 -m jax_moe.bench overlap --micro-batches \
     --iters 50 --processes 2 --ranks-per-node 2 --json "$OUT/mb_ipc.json"
-  mb_eager=CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-LAZY}
-  [ "${MB_MEMORY:-auto}" = staged ] && mb_eager=CUDA_MODULE_LOADING=EAGER
+  mb_eager=$(loading "${MB_MEMORY:-auto}")
   stage mb_nodes 240 env $mb_eager CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 JAX_MOE_FABRIC_MEMORY=${MB_MEMORY:-auto} \
     python3 -m jax_moe.bench overlap --micro-batches \
     --iters 50 --processes 2 --ranks-per-node 1 --provider "${MB_PROVIDER:-shm}" --json "$OUT/mb_nodes.json"

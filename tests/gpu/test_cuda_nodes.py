@@ -5,6 +5,7 @@ case runs the shared worker's checks against the NumPy oracle (bf16 and fp8 roun
 program forward and backward, gradients)."""
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -42,16 +43,41 @@ def _run_workers(nproc: int, ranks_per_node: int, provider: str, rng, **extra_en
         assert f"OK process {i}/{nproc} devices={nproc} backend=cuda" in out, out[-3000:]
 
 
+@functools.lru_cache(maxsize=None)
+def _carries_gpu_memory(provider: str) -> bool:
+    """Whether this libfabric's `provider` registers CUDA memory (FI_HMEM granted, built with CUDA): libfabric 2.x
+    built with CUDA on shm; Ubuntu's 1.17 nowhere."""
+    from jax_moe import _core
+    from jax_moe.fabric import TransferEngine
+    try:
+        eng = TransferEngine(provider)
+    except Exception:  # noqa: BLE001 - provider not built in
+        return False
+    mem = region = None
+    try:
+        if not eng.supports_device_memory:
+            return False
+        mem = _core.cuda.DeviceMemory(1 << 16, 0)
+        region = eng.register_ptr(mem.ptr, mem.nbytes, device=0, dmabuf_fd=mem.dmabuf_fd)
+        return True
+    except RuntimeError:  # FI_HMEM for host memory only: a libfabric built without CUDA
+        return False
+    finally:
+        del region  # the registration, then the engine, then the memory
+        eng.close()
+        del mem
+
+
 def _expect_on_gpu(memory: str, provider: str) -> dict[str, str]:
-    """What the workers must find: "host", "staged" and "auto" host memory on the wire; "device" on
-    shm and tcp a refusal that says why (they copy GPU memory with CUDA calls on the proxy thread), on a NIC provider
-    GPU memory."""
+    """What the workers must find: "host", "staged" and "auto" host memory on the wire; "device" GPU memory where the
+    provider registers CUDA memory (shm with a libfabric built with CUDA, which the workers run under eager loading),
+    else a refusal that says why."""
     if memory != "device":
         return {"MP_EXPECT_FABRIC_ON_GPU": "0"}
-    if provider in ("shm", "tcp"):
-        return {"MP_EXPECT_REFUSAL": r'fabric_memory="device" is not possible here: provider \w+ '
-                                     r"(copies GPU memory with CUDA calls|did not grant FI_HMEM)"}
-    return {"MP_EXPECT_FABRIC_ON_GPU": "1"}
+    if _carries_gpu_memory(provider):
+        return {"MP_EXPECT_FABRIC_ON_GPU": "1"}
+    return {"MP_EXPECT_REFUSAL": r'fabric_memory="device" (is not possible here: provider \w+ did not grant FI_HMEM'
+                                 r"|.*configure --with-cuda)"}
 
 
 @pytest.mark.multiprocess
@@ -83,8 +109,9 @@ def test_rows_per_entry_on_the_gradient_channel_are_refused_across_nodes(rng):
 
 
 def _staged_env(memory: str) -> dict[str, str]:
-    """"staged" runs only with CUDA's eager module loading (src/cuda/stage_copies.h says why)."""
-    return {"CUDA_MODULE_LOADING": "EAGER"} if memory == "staged" else {}
+    """"staged", and "device" on shm and tcp, run only with CUDA's eager module loading (src/cuda/stage_copies.h,
+    src/cuda/device_fabric.cc say why)."""
+    return {"CUDA_MODULE_LOADING": "EAGER"} if memory in ("staged", "device") else {}
 
 
 @pytest.mark.multiprocess
@@ -105,6 +132,18 @@ def test_staged_is_refused_under_lazy_loading(rng):
 
 
 @pytest.mark.multiprocess
+def test_device_memory_on_a_copying_provider_is_refused_under_lazy_loading(rng):
+    """shm copies GPU memory with cudaMemcpy on the proxy thread, which under lazy loading waits for the receive kernel
+    that waits for it: "device" there is refused when the Communicator is made, saying what to set."""
+    if not _carries_gpu_memory("shm"):
+        pytest.skip("this libfabric's shm does not register CUDA memory (build libfabric with CUDA: "
+                    "tests/gpu/device_run.sh hmem)")
+    _run_workers(2, 1, "shm", rng, JAX_MOE_FABRIC_MEMORY="device", CUDA_MODULE_LOADING="LAZY",
+                 MP_EXPECT_REFUSAL=r"provider shm copies GPU memory with CUDA calls on the proxy thread, which do not "
+                                   r"complete .* set CUDA_MODULE_LOADING=EAGER")
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("one_kernel", ["1", "0"])
 def test_two_processes_in_one_node(one_kernel, rng):
     """2 processes, one node: the NVLink kernels between processes (CUDA IPC), on one GPU both ranks in its memory.
@@ -116,7 +155,7 @@ def test_two_processes_in_one_node(one_kernel, rng):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("memory", ["auto", "host", "staged"])
+@pytest.mark.parametrize("memory", ["auto", "host", "staged", "device"])
 def test_four_processes_as_two_nodes_of_two_hybrid(memory, rng):
     """4 processes as 2 nodes x 2 ranks: NVLink (CUDA IPC) inside a node, the proxy between nodes, in one group."""
     _run_workers(4, 2, "shm", rng, JAX_MOE_FABRIC_MEMORY=memory, **_expect_on_gpu(memory, "shm"), **_staged_env(memory))
@@ -140,12 +179,15 @@ def test_one_process_driving_two_gpus_as_two_nodes(rng):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("memory", ["host", "staged"])
+@pytest.mark.parametrize("memory", ["host", "staged", "device"])
 def test_a_killed_process_is_named_by_the_other_within_the_timeout(memory):
+    provider = "shm" if memory == "device" else "tcp"  # GPU memory only where a provider registers it
+    if memory == "device" and not _carries_gpu_memory(provider):
+        pytest.skip("this libfabric's shm does not register CUDA memory (tests/gpu/device_run.sh hmem)")
     timeout_s = 4.0
     port = free_port()
     env = dict(_SHARED, MP_FAILURE_BACKEND="cuda", MP_WORKER_GPUS=str(min(_gpus(), 2)), JAX_MOE_RANKS_PER_NODE="1",
-               JAX_MOE_FABRIC_PROVIDER="tcp", JAX_MOE_FABRIC_MEMORY=memory, **_staged_env(memory))
+               JAX_MOE_FABRIC_PROVIDER=provider, JAX_MOE_FABRIC_MEMORY=memory, **_staged_env(memory))
     outs = launch("mp_failure_worker.py", [("kill", i, 2, port, timeout_s) for i in range(2)], timeout_s=200,
                   env=env, may_fail=(1,))
     m = re.search(r"ERROR after ([0-9.]+) s: (.*)", outs[0])
