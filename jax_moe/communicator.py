@@ -75,8 +75,9 @@ class Communicator:
     fabric_provider: TransferEngine provider between processes ("auto", "tcp", "shm", "efa", "verbs"; default
       $JAX_MOE_FABRIC_PROVIDER or "auto").
     fabric_memory: "cuda" only: where the areas that ranks on other nodes write into live: "device" (GPU memory
-      that the NIC reads and writes: efa or verbs with a libfabric built with CUDA; refused, saying why, elsewhere:
-      shm and tcp cannot carry GPU memory while a kernel waits for it, see docs/cuda.md), "host" (pinned host memory
+      that the NIC reads and writes: efa or verbs with a libfabric built with CUDA; shm with such a libfabric, which
+      copies it with CUDA on the proxy thread and so needs CUDA_MODULE_LOADING=EAGER; refused, saying why,
+      elsewhere, see docs/cuda.md), "host" (pinned host memory
       the kernels read and write over PCIe), "staged" (pinned host memory on the wire, HBM for the kernels, a copy
       engine between them; needs CUDA_MODULE_LOADING=EAGER set before the process first uses CUDA, and says so
       otherwise), "auto" ("staged" where the process loads CUDA modules eagerly and command buffers are off, else
