@@ -167,11 +167,9 @@ class TransferEngine:
         return MemoryRegion(region, array, self)
 
     def register_ptr(self, ptr: int, nbytes: int, device: int = -1, dmabuf_fd: int = -1,
-                     dmabuf_offset: int = 0, device_only: bool = False) -> MemoryRegion:
+                     dmabuf_offset: int = 0) -> MemoryRegion:
         """Register raw memory: a host pointer (device=-1) or CUDA device memory (device >= 0), optionally through a
-        dmabuf of it (`dmabuf_fd` >= 0, `ptr` at `dmabuf_offset` in it) where the provider takes one. `device_only`:
-        the memory is cudaMalloc'd (not managed, not mapped host memory), which shm then moves device to device through
-        CUDA IPC (FI_HMEM_DEVICE_ONLY); never set it for other memory."""
+        dmabuf of it (`dmabuf_fd` >= 0, `ptr` at `dmabuf_offset` in it) where the provider takes one."""
         ptr, nbytes, device, dmabuf_fd, dmabuf_offset = int(ptr), int(nbytes), int(device), int(dmabuf_fd), \
             int(dmabuf_offset)
         if ptr <= 0:
@@ -182,10 +180,7 @@ class TransferEngine:
             raise ValueError("register_ptr(): a dmabuf_fd is for device memory (device >= 0)")
         if dmabuf_offset < 0:
             raise ValueError(f"register_ptr(): dmabuf_offset is negative ({dmabuf_offset})")
-        if device_only and device < 0:
-            raise ValueError("register_ptr(): device_only is for device memory (device >= 0)")
-        return MemoryRegion(self._eng.register_ptr(ptr, nbytes, device, dmabuf_fd, dmabuf_offset, bool(device_only)),
-                            None, self)
+        return MemoryRegion(self._eng.register_ptr(ptr, nbytes, device, dmabuf_fd, dmabuf_offset), None, self)
 
     # -- peers ------------------------------------------------------------------------------------
     def connect(self, address: bytes, timeout_s: float = 30.0) -> int:

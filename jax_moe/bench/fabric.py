@@ -90,7 +90,7 @@ def _buffer(eng: Any, nbytes: int, memory: str, ordinal: int, fill: bool) -> tup
     """A registered buffer of `nbytes`: (region, owner); the owner must outlive the region."""
     if memory == "cuda":
         mem = cuda_module().DeviceMemory(nbytes, ordinal)  # zeroed: the bytes' values do not matter on the wire
-        return eng.register_ptr(mem.ptr, mem.nbytes, device=ordinal, dmabuf_fd=mem.dmabuf_fd, device_only=True), mem
+        return eng.register_ptr(mem.ptr, mem.nbytes, device=ordinal, dmabuf_fd=mem.dmabuf_fd), mem
     buf = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8) if fill else np.zeros(nbytes, np.uint8)
     return eng.register(buf), buf
 

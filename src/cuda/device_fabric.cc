@@ -132,7 +132,6 @@ std::pair<Area, std::shared_ptr<fabric::MemoryRegion>> DeviceFabric::NewArea(siz
     fabric::MemorySpec spec;
     spec.device = ordinal_;
     spec.dmabuf_fd = area.hbm->dmabuf_fd();
-    spec.device_only = true;  // cudaMalloc'd
     try {
       mr = engine_->Register(area.hbm->data(), bytes, spec);
     } catch (const jax_moe::Error& e) {

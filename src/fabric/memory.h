@@ -11,9 +11,6 @@ struct MemorySpec {
   int device = -1;             // CUDA ordinal; -1: host memory
   int dmabuf_fd = -1;          // a dmabuf holding the region, or -1
   uint64_t dmabuf_offset = 0;  // the region's first byte within that dmabuf
-  // Allocated with cudaMalloc (not managed, not host-mapped): told to the provider (FI_HMEM_DEVICE_ONLY), on which
-  // shm moves it device to device through CUDA IPC instead of through host bounce buffers.
-  bool device_only = false;
 };
 
 // How a region was registered, as fabric_info and the benchmark report it.

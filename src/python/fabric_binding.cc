@@ -106,18 +106,15 @@ void RegisterFabric(nb::module_& m) {
       .def_prop_ro("num_nics", [](Engine& s) { return s.e().num_nics(); })
       .def_prop_ro("max_imm", [](Engine& s) { return s.e().max_imm(); })
       .def("register_ptr",
-           [](Engine& s, uintptr_t ptr, uint64_t nbytes, int device, int dmabuf_fd, uint64_t dmabuf_offset,
-              bool device_only) {
+           [](Engine& s, uintptr_t ptr, uint64_t nbytes, int device, int dmabuf_fd, uint64_t dmabuf_offset) {
              fabric::MemorySpec mem;
              mem.device = device;
              mem.dmabuf_fd = dmabuf_fd;
              mem.dmabuf_offset = dmabuf_offset;
-             mem.device_only = device_only;
              nb::gil_scoped_release nogil;
              return Region{s.e().Register(reinterpret_cast<void*>(ptr), nbytes, mem)};
            },
-           "ptr"_a, "nbytes"_a, "device"_a = -1, "dmabuf_fd"_a = -1, "dmabuf_offset"_a = 0,
-           "device_only"_a = false)
+           "ptr"_a, "nbytes"_a, "device"_a = -1, "dmabuf_fd"_a = -1, "dmabuf_offset"_a = 0)
       .def("connect",
            [](Engine& s, nb::bytes address, double timeout_s) {
              std::string a = FromBytes(address);

@@ -416,9 +416,6 @@ class OfiBackend final : public Backend {
         attr.mr_iov = &iov;
         attr.iov_count = 1;
       }
-#ifdef FI_HMEM_DEVICE_ONLY
-      if (how != Registration::kHost && mem.device_only) flags |= FI_HMEM_DEVICE_ONLY;
-#endif
       Fid<fid_mr> mr;
       Check(fi_mr_regattr(nic->domain.get(), &attr, flags, mr.out()), "fi_mr_regattr");
       if (mr_mode_ & FI_MR_ENDPOINT) {
