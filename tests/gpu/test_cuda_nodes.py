@@ -96,11 +96,13 @@ def test_two_processes_as_two_nodes(provider, memory, rng):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("memory", ["host", "staged"])
+@pytest.mark.parametrize("memory", ["host", "staged", "device"])
 def test_programs_enqueued_far_ahead_across_nodes(memory, rng):
     """Eight programs of 25 round trips each, enqueued without waiting (a training loop's shape): the host runs far
     ahead of the GPU. With "staged" the proxy's copies then waited for room in the launch queue, behind the receive
-    kernel that waited for them, until the plain handlers held the host a few rounds ahead (cuda/run_ahead.h)."""
+    kernel that waited for them, until the plain handlers held the host a few rounds ahead (cuda/run_ahead.h). "device"
+    on shm (where this libfabric registers CUDA memory) needs the same hold: shm's copies are CUDA calls on the proxy
+    thread too."""
     _run_workers(2, 1, "shm", rng, JAX_MOE_FABRIC_MEMORY=memory, MP_QUEUE_AHEAD="8,25",
                  **_expect_on_gpu(memory, "shm"), **_staged_env(memory))
 
