@@ -174,6 +174,16 @@ def main() -> None:
         check_channel1_refusal(comm, rng, n)
         print(f"OK process {proc}/{nproc} devices={n} backend={comm.backend_name}", flush=True)
         return
+    refused = os.environ.get("MP_EXPECT_REFUSAL")  # a pattern: the Communicator must be refused with it
+    if refused:
+        try:
+            jax_moe.Communicator(jax_moe.MoEConfig(e, r, hidden, t), mesh, "ep", backend=backend)
+        except Exception as err:  # noqa: BLE001 - what the caller asked to see
+            assert re.search(refused, str(err)), f"refused with {err!r}, wanted /{refused}/"
+            print(f"REFUSED process {jax.process_index()}: {err}", flush=True)
+            print(f"OK process {jax.process_index()}/{jax.process_count()} devices={n} backend={backend}")
+            return
+        raise AssertionError(f"the Communicator was built; wanted a refusal matching /{refused}/")
     ahead = os.environ.get("MP_QUEUE_AHEAD")  # "programs,unroll": only check_queue_ahead
     if ahead:
         comm = jax_moe.Communicator(jax_moe.MoEConfig(e, r, hidden, t), mesh, "ep", backend=backend)
@@ -183,16 +193,6 @@ def main() -> None:
         return
     for fp8 in (False, True):
         cfg = jax_moe.MoEConfig(e, r, hidden, t, dispatch_dtype=jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
-        refused = os.environ.get("MP_EXPECT_REFUSAL")  # a pattern: the Communicator must be refused with it
-        if refused:
-            try:
-                jax_moe.Communicator(cfg, mesh, "ep", backend=backend)
-            except Exception as err:  # noqa: BLE001 - what the caller asked to see
-                assert re.search(refused, str(err)), f"refused with {err!r}, wanted /{refused}/"
-                print(f"REFUSED process {jax.process_index()}: {err}", flush=True)
-                print(f"OK process {jax.process_index()}/{jax.process_count()} devices={n} backend={backend}")
-                return
-            raise AssertionError(f"the Communicator was built; wanted a refusal matching /{refused}/")
         comm = jax_moe.Communicator(cfg, mesh, "ep", backend=backend)
         comms.append(comm)
         check_fabric_memory(comm)
