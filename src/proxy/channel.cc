@@ -178,7 +178,8 @@ uint64_t Channel::PostAreas(uint64_t ready, const fabric::MemoryRegion& area, co
     // Ask the receivers due this round in turn, from where the last pass stopped on this round's lane, up to the
     // first without credit (one look-up a round while all wait); post in rank order, since a prebuilt scatter's
     // entries are the peer set's members in order. The rounds in progress are at most K, one per lane.
-    size_t& from = ask_from_[size_t(lanes().Lane(round))];
+    const int64_t lane = lanes().Lane(round);
+    size_t& from = ask_from_[size_t(lane)];
     std::fill(take_.begin(), take_.end(), 0);
     for (size_t j = 0; j < m; ++j) {
       const size_t i = (from + j) % m;
@@ -192,7 +193,7 @@ uint64_t Channel::PostAreas(uint64_t ready, const fabric::MemoryRegion& area, co
     ranks.clear();
     offsets.clear();
     lengths.clear();
-    const uint64_t* bytes = words + lanes().Lane(round) * num_ranks();
+    const uint64_t* bytes = words + lane * num_ranks();
     for (size_t i = 0; i < m; ++i) {
       if (!take_[i]) continue;
       const int32_t p = remote_ranks_[i];
