@@ -92,7 +92,7 @@ def test_two_processes_as_two_nodes(provider, memory, rng):
     ("staged"), or ("device") in GPU memory on both sides where the provider registers it (shm with a libfabric built
     with CUDA), else refused, naming why."""
     _run_workers(2, 1, provider, rng, JAX_MOE_FABRIC_MEMORY=memory, **_expect_on_gpu(memory, provider),
-                 **_staged_env(memory))
+                 **_loading_env(memory))
 
 
 @pytest.mark.multiprocess
@@ -104,7 +104,7 @@ def test_programs_enqueued_far_ahead_across_nodes(memory, rng):
     on shm (where this libfabric registers CUDA memory) needs the same hold: shm's copies are CUDA calls on the proxy
     thread too."""
     _run_workers(2, 1, "shm", rng, JAX_MOE_FABRIC_MEMORY=memory, MP_QUEUE_AHEAD="8,25",
-                 **_expect_on_gpu(memory, "shm"), **_staged_env(memory))
+                 **_expect_on_gpu(memory, "shm"), **_loading_env(memory))
 
 
 @pytest.mark.multiprocess
@@ -114,9 +114,9 @@ def test_rows_per_entry_on_the_gradient_channel_are_refused_across_nodes(rng):
     _run_workers(2, 1, "shm", rng, MP_CHANNEL1_REFUSAL="1")
 
 
-def _staged_env(memory: str) -> dict[str, str]:
-    """"staged", and "device" on shm and tcp, run only with CUDA's eager module loading (src/cuda/stage_copies.h,
-    src/cuda/device_fabric.cc say why)."""
+def _loading_env(memory: str) -> dict[str, str]:
+    """The CUDA_MODULE_LOADING a memory's workers need: "staged", and "device" on shm and tcp, run only with CUDA's
+    eager module loading (src/cuda/stage_copies.h, src/cuda/device_fabric.cc say why); the others keep the default."""
     return {"CUDA_MODULE_LOADING": "EAGER"} if memory in ("staged", "device") else {}
 
 
@@ -164,7 +164,7 @@ def test_two_processes_in_one_node(one_kernel, rng):
 @pytest.mark.parametrize("memory", ["auto", "host", "staged", "device"])
 def test_four_processes_as_two_nodes_of_two_hybrid(memory, rng):
     """4 processes as 2 nodes x 2 ranks: NVLink (CUDA IPC) inside a node, the proxy between nodes, in one group."""
-    _run_workers(4, 2, "shm", rng, JAX_MOE_FABRIC_MEMORY=memory, **_expect_on_gpu(memory, "shm"), **_staged_env(memory))
+    _run_workers(4, 2, "shm", rng, JAX_MOE_FABRIC_MEMORY=memory, **_expect_on_gpu(memory, "shm"), **_loading_env(memory))
 
 
 def test_one_process_driving_two_gpus_as_two_nodes(rng):
@@ -193,7 +193,7 @@ def test_a_killed_process_is_named_by_the_other_within_the_timeout(memory):
     timeout_s = 4.0
     port = free_port()
     env = dict(_SHARED, MP_FAILURE_BACKEND="cuda", MP_WORKER_GPUS=str(min(_gpus(), 2)), JAX_MOE_RANKS_PER_NODE="1",
-               JAX_MOE_FABRIC_PROVIDER=provider, JAX_MOE_FABRIC_MEMORY=memory, **_staged_env(memory))
+               JAX_MOE_FABRIC_PROVIDER=provider, JAX_MOE_FABRIC_MEMORY=memory, **_loading_env(memory))
     outs = launch("mp_failure_worker.py", [("kill", i, 2, port, timeout_s) for i in range(2)], timeout_s=200,
                   env=env, may_fail=(1,))
     m = re.search(r"ERROR after ([0-9.]+) s: (.*)", outs[0])
