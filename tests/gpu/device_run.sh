@@ -196,12 +196,7 @@ if has hmem; then  # issue 25: libfabric 2.6 built with CUDA (carried in third_p
   if [ -e "$ROOT/third_party_headers/lfi/lib/libfabric.so" ]; then  # built ahead with CUDA and carried (DEVELOPERS.md)
     LFI=$ROOT/third_party_headers/lfi
   else
-    stage hmem_libfabric 300 bash -c 'rm -rf /tmp/lfb /tmp/lfi && mkdir -p /tmp/lfb && \
-      tar -xzf third_party_headers/vendor/libfabric-2.6.0-src.tgz -C /tmp/lfb && cd /tmp/lfb/lf && \
-      ./configure -q --prefix=/tmp/lfi --with-cuda=/usr/local/cuda --enable-cuda-dlopen --enable-shm --enable-tcp \
-        --enable-rxm --disable-efa --disable-verbs --disable-psm2 --disable-psm3 --disable-opx --disable-usnic \
-        --disable-ucx --disable-lpp --disable-sockets --disable-udp --disable-mrail --disable-hook_debug \
-        --disable-hook_hmem --disable-dmabuf_peer_mem > /tmp/lfb/configure.log && make -s -j16 install > /tmp/lfb/make.log 2>&1 && echo built'
+    stage hmem_libfabric 300 bash -c 'rm -rf /tmp/lfi && bash tests/gpu/libfabric_cuda.sh /tmp/lfi'
   fi
   FI_LOG_LEVEL=info "$LFI/bin/fi_info" -p shm -c FI_HMEM 2>&1 | grep -i -m3 "hmem\|cuda"
   export LIBFABRIC_ROOT=$LFI LD_LIBRARY_PATH=$LFI/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
