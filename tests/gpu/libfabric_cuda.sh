@@ -30,11 +30,12 @@ STUB
   cppflags="-I$WORK/stub"
 fi
 cd "$WORK/lf"
-CPPFLAGS="$cppflags" ./configure -q --prefix="$PREFIX" --with-cuda="$CUDA" --enable-cuda-dlopen --enable-shm \
+# The man pages go to the scratch folder (not needed, and they count against what a device call carries): never a
+# deletion under PREFIX, which may be a shared prefix such as /usr/local.
+CPPFLAGS="$cppflags" ./configure -q --prefix="$PREFIX" --datarootdir="$WORK/share" --with-cuda="$CUDA" --enable-cuda-dlopen --enable-shm \
   --enable-tcp --enable-rxm --disable-efa --disable-verbs --disable-psm2 --disable-psm3 --disable-opx --disable-usnic \
   --disable-ucx --disable-lpp --disable-sockets --disable-udp --disable-mrail --disable-hook_debug --disable-hook_hmem \
   --disable-dmabuf_peer_mem > "$WORK/configure.log" 2>&1 || { tail -30 "$WORK/configure.log"; exit 1; }
 grep -q "define HAVE_CUDA 1" config.h || { echo "libfabric_cuda.sh: configure found no CUDA in $CUDA" >&2; exit 1; }
 make -s -j"$(nproc)" install > "$WORK/make.log" 2>&1 || { tail -30 "$WORK/make.log"; exit 1; }
-rm -rf "$PREFIX/share"  # man pages: not needed, and they count against what a device call carries
 echo "libfabric 2.6 with CUDA in $PREFIX"
